@@ -7,9 +7,11 @@ from .paged import gather_pages
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           max_seq_len: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D]. Sequence b attends to its first seq_lens[b] cached tokens.
-    Computed in fp32 by gathering the pages (no loop over sequences)."""
+    Computed in fp32 by gathering the pages (no loop over sequences). max_seq_len (an upper
+    bound on seq_lens) is accepted for the same signature as the Triton launcher; unused here."""
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
     k = gather_pages(k_cache, block_table).float()          # [B, L, Hkv, D]

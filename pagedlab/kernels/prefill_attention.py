@@ -8,10 +8,11 @@ from .paged import gather_pages
 
 def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float,
+                            max_q_len: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] packed: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
     seq_lens[b] counts all of b's tokens in the cache, the new ones included (their K/V are already
-    stored), so query i of b sits at position seq_lens[b] - q_len[b] + i and sees keys 0..that.
+    stored); max_q_len, when the caller knows it, saves a device->host read., so query i of b sits at position seq_lens[b] - q_len[b] + i and sees keys 0..that.
     Computed in fp32: queries are padded per sequence, scores masked (no loop over sequences)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -19,7 +20,7 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     seq_of_token = torch.repeat_interleave(torch.arange(b, device=q.device), q_lens, output_size=t)
     idx_in_seq = torch.arange(t, device=q.device) - cu_seqlens_q[:-1].long()[seq_of_token]
-    max_q = int(q_lens.max()) if b else 0
+    max_q = max_q_len if max_q_len is not None else (int(q_lens.max()) if b else 0)
 
     qp = q.new_zeros(b, max_q, hq, d, dtype=torch.float32)
     qp[seq_of_token, idx_in_seq] = q.float()
