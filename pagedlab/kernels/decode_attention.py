@@ -1,7 +1,41 @@
-"""Paged decode attention: one new query token per sequence attends to its whole paged context."""
+"""Paged decode attention: one new query token per sequence attends to its whole paged context.
+
+Decode does almost no arithmetic (one query row per head) but reads the WHOLE K/V context of every
+sequence, every step: it is bound by memory bandwidth, and the measure of a decode kernel is how
+close its K/V read rate gets to the device's copy bandwidth. Four Triton variants, from the
+textbook one to the fast one, all reading K/V through the block table (key n of sequence b lives
+in physical block block_table[b, n // block_size], row n % block_size):
+
+  naive     one program per (sequence, query head), ONE key per loop iteration: a dot product,
+            a scalar online-softmax update, acc += p * v. The pagedAttention kernel of the
+            original, translated. Every key is a dependent round trip to memory: latency bound.
+  blocked   one program per (sequence, query head), BLOCK_N keys per iteration (a [BLOCK_N, D]
+            tile gathered from the pages), online softmax over the tile. Enough bytes in flight
+            per program to approach bandwidth -- but each K/V tile is read once per QUERY head,
+            i.e. Hq / Hkv times (4x for Llama-3.2-1B), relying on L2 to absorb the re-reads.
+  gqa       one program per (sequence, KV head) that computes all G = Hq / Hkv query heads of the
+            group at once: Q is a [G, D] tile (padded to 16 rows for tl.dot), S = Q K^T and
+            O += P V are tensor-core dots, and each K/V tile leaves DRAM exactly once.
+  split_kv  flash-decoding: the gqa program, but the context is also split across programs
+            (grid B x Hkv x S). With small batches B * Hkv programs cannot fill 132 SMs; splitting
+            the context restores parallelism. Each split writes its partial (max m, sum l,
+            unnormalised acc) to a scratch buffer, and a second tiny kernel merges them:
+            M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s.
+  auto      picks gqa or split_kv (and the number of splits) from the batch size, the context
+            bound and the SM count -- host-side numbers only, see choose_decode_plan().
+
+All launch parameters (grid, number of splits) depend only on shapes and on the max_seq_len hint,
+never on device values, and the split_kv scratch is cached per shape, so decode can be captured in
+a CUDA graph. Sequences with seq_len 0 (graph padding) give zeros.
+
+decode_attention_torch is the reference; decode_attention_triton has the same signature plus
+`variant`.
+"""
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .paged import gather_pages
 
@@ -23,3 +57,309 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)        # a sequence of length 0 gives zeros
     out = torch.einsum("bhgl,blhd->bhgd", p, v)
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+LOG2E = 1.4426950408889634
+VARIANTS = ("naive", "blocked", "gqa", "split_kv")
+
+# Launch parameters per variant (tuned on the H200, bf16, head_dim 64; see docs/kernels.md).
+DECODE_CONFIG = {
+    "naive": {"num_warps": 1, "num_stages": 1},
+    "blocked": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "gqa": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "split_kv": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+}
+# auto / split_kv heuristics: aim for this many programs per SM, splits no shorter than this.
+SPLIT_PROGRAMS_PER_SM = 2
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 64
+
+
+# --------------------------------------------------------------------------------------------
+# naive: one key at a time
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_naive_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
+                         stride_qb, stride_qh, stride_ob, stride_oh,
+                         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_bt, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    seq_len = tl.load(sl_ptr + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_d, mask=dmask,
+                other=0.0).to(tl.float32) * sm_scale
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    m_i = -1.0e30
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for n in range(0, seq_len):
+        blk = tl.load(bt_row + n // BS).to(tl.int64)
+        tok = n % BS
+        k = tl.load(k_ptr + blk * stride_kb + tok * stride_kt + kvh * stride_kh + offs_d,
+                    mask=dmask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + blk * stride_vb + tok * stride_vt + kvh * stride_vh + offs_d,
+                    mask=dmask, other=0.0).to(tl.float32)
+        s = tl.sum(q * k, axis=0)
+        m_new = tl.maximum(m_i, s)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * alpha + p * v
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+# --------------------------------------------------------------------------------------------
+# blocked: a tile of keys per iteration, one query head per program
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_blocked_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
+                           stride_qb, stride_qh, stride_ob, stride_oh,
+                           stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                           stride_bt, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // G
+    seq_len = tl.load(sl_ptr + b)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    dmask = offs_d < D
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_d, mask=dmask,
+                other=0.0).to(tl.float32) * sm_scale
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    m_i = -1.0e30
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        k_pos = start + offs_n
+        kmask = k_pos < seq_len
+        blk = tl.load(bt_row + k_pos // BS, mask=kmask, other=0).to(tl.int64)
+        tok = (k_pos % BS).to(tl.int64)
+        mask2 = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=mask2, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=mask2, other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, axis=1)
+        s = tl.where(kmask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty), mask=dmask)
+
+
+# --------------------------------------------------------------------------------------------
+# gqa and split_kv: one program per (sequence, KV head[, split]), all query heads of the group
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, bt_ptr, sl_ptr, sm_scale,
+                       stride_qb, stride_qh, stride_ob, stride_oh,
+                       stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                       stride_bt, split_len,
+                       G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                       IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(sl_ptr + b)
+    start_n = split * split_len
+    end_n = tl.minimum(start_n + split_len, seq_len)
+
+    offs_g = tl.arange(0, GP)                 # query heads of the group, padded for tl.dot
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < G
+    dmask = offs_d < D
+    heads = kvh * G + offs_g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+
+    m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
+    for start in range(start_n, end_n, BLOCK_N):
+        k_pos = start + offs_n
+        kmask = k_pos < end_n
+        blk = tl.load(bt_row + k_pos // BS, mask=kmask, other=0).to(tl.int64)
+        tok = (k_pos % BS).to(tl.int64)
+        mask2 = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=mask2, other=0.0)
+        v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=mask2, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    else:
+        # scratch layout: m, l [B, Hq, S]; acc [B, Hq, S, BLOCK_D], all contiguous fp32
+        hq = tl.num_programs(1) * G
+        row = (b.to(tl.int64) * hq + heads) * NUM_SPLITS + split          # [GP]
+        tl.store(m_ptr + row, m_i, mask=gmask)
+        tl.store(l_ptr + row, l_i, mask=gmask)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, stride_ob, stride_oh,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    hq = tl.num_programs(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    smask = offs_s < NUM_SPLITS
+    row = (b.to(tl.int64) * hq + h) * NUM_SPLITS + offs_s
+    m = tl.load(m_ptr + row, mask=smask, other=-1.0e30)
+    l = tl.load(l_ptr + row, mask=smask, other=0.0)
+    acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)                      # empty splits: l = 0, acc = 0 -> contribute 0
+    l_tot = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+_SM_COUNT: dict = {}
+_SCRATCH: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    key = (device.type, device.index)
+    if key not in _SM_COUNT:
+        if device.type == "cuda":
+            _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            _SM_COUNT[key] = 4
+    return _SM_COUNT[key]
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
+                      block_n: int = 64) -> int:
+    """Splits of the context for split_kv: enough programs to give every SM
+    SPLIT_PROGRAMS_PER_SM of them, but no split shorter than MIN_SPLIT_LEN keys."""
+    programs = max(batch * num_kv_heads, 1)
+    want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, programs)
+    most = max(1, triton.cdiv(max_ctx, max(MIN_SPLIT_LEN, block_n)))
+    return int(max(1, min(want, most, MAX_SPLITS)))
+
+
+def choose_decode_plan(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
+                       block_n: int = 64):
+    """auto: (variant, num_splits). gqa reads K/V once per group and beats naive/blocked at every
+    measured shape; split_kv wins whenever gqa's B * Hkv programs leave SMs idle."""
+    splits = choose_num_splits(batch, num_kv_heads, max_ctx, sm_count, block_n)
+    return ("split_kv", splits) if splits > 1 else ("gqa", 1)
+
+
+def _scratch(device, b, hq, splits, block_d):
+    key = (device.type, device.index, b, hq, splits, block_d)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        m = torch.empty((b, hq, splits), dtype=torch.float32, device=device)
+        l = torch.empty((b, hq, splits), dtype=torch.float32, device=device)
+        acc = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=device)
+        buf = _SCRATCH[key] = (m, l, acc)
+    return buf
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            max_seq_len: int | None = None, variant: str = "auto",
+                            num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as decode_attention_torch, plus `variant` (naive | blocked | gqa | split_kv |
+    auto) and, for split_kv, an optional fixed `num_splits`. max_seq_len (an upper bound on
+    seq_lens, host int) only sizes the split_kv grid; without it the bound is
+    block_table.shape[1] * block_size. No device->host sync."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    g = hq // hkv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    max_ctx = max_seq_len if max_seq_len is not None else block_table.shape[1] * bs
+    block_d = max(16, triton.next_power_of_2(d))
+    scale2 = scale * LOG2E
+    common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
+    if variant == "auto":
+        variant, plan_splits = choose_decode_plan(b, hkv, max_ctx, _sm_count(q.device),
+                                                  DECODE_CONFIG["split_kv"]["BLOCK_N"])
+        if num_splits is None:
+            num_splits = plan_splits
+    if variant == "naive":
+        cfg = DECODE_CONFIG["naive"]
+        _decode_naive_kernel[(b, hq)](q, k_cache, v_cache, out, block_table, seq_lens, scale2,
+                                      *common, G=g, BS=bs, D=d, BLOCK_D=block_d,
+                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    elif variant == "blocked":
+        cfg = DECODE_CONFIG["blocked"]
+        _decode_blocked_kernel[(b, hq)](q, k_cache, v_cache, out, block_table, seq_lens, scale2,
+                                        *common, G=g, BS=bs, D=d, BLOCK_D=block_d,
+                                        BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+                                        num_stages=cfg["num_stages"])
+    elif variant in ("gqa", "split_kv"):
+        cfg = DECODE_CONFIG[variant]
+        block_n = cfg["BLOCK_N"]
+        if variant == "gqa":
+            splits = 1
+        else:
+            splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
+        split_len = triton.cdiv(triton.cdiv(max(max_ctx, 1), splits), block_n) * block_n
+        if splits > 1:
+            m_buf, l_buf, acc_buf = _scratch(q.device, b, hq, splits, block_d)
+        else:
+            m_buf = l_buf = acc_buf = out                   # unused
+        _decode_gqa_kernel[(b, hkv, splits)](
+            q, k_cache, v_cache, out, m_buf, l_buf, acc_buf, block_table, seq_lens, scale2,
+            *common, split_len if splits > 1 else max(max_ctx, 1) + (1 << 30),
+            G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
+            BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        if splits > 1:
+            _decode_merge_kernel[(b, hq)](out, m_buf, l_buf, acc_buf, out.stride(0), out.stride(1),
+                                          D=d, BLOCK_D=block_d, NUM_SPLITS=splits,
+                                          BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+    else:
+        raise ValueError(f"unknown decode attention variant {variant!r}; pick one of "
+                         f"{VARIANTS + ('auto',)}")
+    return out

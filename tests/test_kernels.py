@@ -1,0 +1,261 @@
+"""Triton kernels against their plain-torch references.
+
+On CPU (CI) the kernels run under the Triton interpreter (TRITON_INTERPRET=1) in fp32 and fp16 on
+small, irregular shapes. On a CUDA device the same tests run compiled, in bf16, at full
+Llama-3.2-1B attention shapes (32 query heads, 8 KV heads, head_dim 64), against the fp32 reference.
+Every input is random (never zeros); block tables are shuffled; sequence lengths are not multiples
+of the block size; unused block-table entries are -1.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # must happen before any @triton.jit function is defined (tests/conftest.py does it too)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedlab.kernels.decode_attention import (VARIANTS, choose_decode_plan,  # noqa: E402
+                                               decode_attention_torch, decode_attention_triton)
+from pagedlab.kernels.kv_store import kv_store_torch, kv_store_triton  # noqa: E402
+from pagedlab.kernels.prefill_attention import (prefill_attention_torch,  # noqa: E402
+                                                prefill_attention_triton)
+from pagedlab.kernels.rmsnorm import rms_norm_torch, rms_norm_triton  # noqa: E402
+from pagedlab.kernels.rope import rope_cos_sin, rope_torch, rope_triton  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+# interpreter: fp32 and fp16 are exact enough (bf16 is NOT right under the interpreter)
+DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+# attention head shapes: (Hq, Hkv, D). GPU: Llama-3.2-1B (group 4) plus groups 1 and 3.
+HEADS = [(32, 8, 64), (8, 8, 64), (24, 8, 64)] if GPU else [(4, 4, 16), (6, 2, 32), (8, 2, 16)]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rel_err(out, ref):
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def check(out, ref, dtype):
+    assert not torch.isnan(out).any()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+
+
+def make_paged(seq_lens, block_size, hkv, d, dtype, gen, stale=False):
+    """Random K/V pool with the blocks of every sequence scattered (shuffled physical ids).
+    Unused block-table entries are -1, or (stale=True) ids of blocks owned by other sequences."""
+    need = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(max(need), 1) + 1
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n]
+        used += n
+        if stale:
+            table[i, n:] = perm[torch.randint(0, num_blocks, (max_blocks - n,), generator=gen)]
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    return (k_cache.to(DEV), v_cache.to(DEV), table.to(DEV),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEV))
+
+
+# ---------------------------------------------------------------------------------- RMSNorm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [2048, 1000] if GPU else [100, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(hidden)
+    t = 77 if GPU else 5
+    x = torch.randn(t, hidden, generator=gen).to(dtype).to(DEV)
+    w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEV)
+    r = torch.randn(t, hidden, generator=gen).to(dtype).to(DEV) if with_residual else None
+    out = rms_norm_triton(x, w, 1e-5, r)
+    ref = rms_norm_torch(x, w, 1e-5, r)
+    if with_residual:
+        check(out[0], ref[0], dtype)
+        check(out[1], ref[1], dtype)
+    else:
+        check(out, ref, dtype)
+
+
+# ---------------------------------------------------------------------------------- RoPE
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (24, 8, 128)] if GPU else [(6, 2, 16), (3, 1, 32)])
+def test_rope(dtype, hq, hkv, d):
+    gen = torch.Generator().manual_seed(d)
+    t, max_pos = (300, 131072) if GPU else (9, 5000)
+    cos_sin = rope_cos_sin(d, 500000.0, max_pos, LLAMA3_SCALING, device=DEV)
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype).to(DEV)
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]                 # strided views, like a fused QKV
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEV)
+    q0, k0 = q.clone(), k.clone()
+    qo, ko = rope_triton(q, k, positions, cos_sin)
+    qr, kr = rope_torch(q, k, positions, cos_sin)
+    check(qo, qr, dtype)
+    check(ko, kr, dtype)
+    assert torch.equal(q, q0) and torch.equal(k, k0)        # inputs untouched
+
+
+# ---------------------------------------------------------------------------------- KV-store
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_kv_store(dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    hkv, d = (8, 64) if GPU else (2, 16)
+    num_blocks = 40 if block_size == 16 else 300
+    t = 37
+    kc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEV)
+    vc = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype).to(DEV)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)
+    k = torch.randn(t, hkv, d, generator=gen).to(dtype).to(DEV)
+    v = torch.randn(t, hkv, d, generator=gen).to(dtype).to(DEV)
+    kc2, vc2 = kc.clone(), vc.clone()
+    kv_store_triton(k, v, kc, vc, slots)
+    kv_store_torch(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    # a negative slot (padding token) stores nothing
+    before = kc.clone()
+    kv_store_triton(k[:2], v[:2], kc, vc, torch.tensor([-1, -1], device=DEV))
+    assert torch.equal(kc, before)
+
+
+# ---------------------------------------------------------------------------------- prefill
+def prefill_case(q_lens, ctx_lens, block_size, heads, dtype, seed, stale=False):
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, table, sl = make_paged(seq_lens, block_size, hkv, d, dtype, gen, stale)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype).to(DEV)
+    cu = cu.to(DEV)
+    scale = d ** -0.5
+    out = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, scale, max(q_lens))
+    ref = prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, scale, max(q_lens))
+    check(out, ref, dtype)
+    return out, q, k_cache, v_cache, table, cu, sl, scale
+
+
+if GPU:
+    PREFILL_CASES = [  # (q_lens, ctx_lens, block_size)
+        ([1000], [0], 16),
+        ([513, 77, 1, 300], [0, 0, 0, 0], 16),
+        ([200, 1, 129], [700, 33, 0], 16),                 # chunked prefill / prefix cache
+        ([37, 90], [5, 0], 1),
+        ([2048, 100], [1024, 3], 32),
+    ]
+else:
+    PREFILL_CASES = [
+        ([23], [0], 16),
+        ([9, 1, 30], [0, 0, 0], 16),
+        ([7, 1, 20], [19, 40, 0], 16),                     # queries after cached context
+        ([5, 11], [3, 0], 1),
+        ([40, 2], [33, 60], 32),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+def test_prefill_attention(dtype, heads, case):
+    q_lens, ctx_lens, block_size = PREFILL_CASES[case]
+    prefill_case(q_lens, ctx_lens, block_size, heads, dtype, seed=case, stale=case % 2 == 1)
+
+
+def test_prefill_attention_no_hint_and_empty_sequence():
+    """Without max_q_len (no host sync: the grid is bounded by the table) and with a sequence
+    that has no new query tokens in the middle of the batch; nothing may become NaN."""
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[-1]
+    gen = torch.Generator().manual_seed(7)
+    q_lens, ctx = [6, 0, 3], [2, 5, 0]
+    seq_lens = [a + b for a, b in zip(q_lens, ctx)]
+    k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
+    cu = torch.tensor([0, 6, 6, 9], dtype=torch.int32, device=DEV)
+    q = torch.randn(9, hq, d, generator=gen).to(dtype).to(DEV)
+    out = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5)
+    ref = prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5)
+    check(out, ref, dtype)
+
+
+# ---------------------------------------------------------------------------------- decode
+if GPU:
+    DECODE_CASES = [  # (seq_lens, block_size)
+        ([8191], 16),
+        ([1, 17, 300, 1000, 2049], 16),
+        ([513] * 64, 16),
+        ([33, 1, 4000], 1),
+        ([1500, 64, 31], 32),
+    ]
+else:
+    DECODE_CASES = [
+        ([45], 16),
+        ([1, 17, 30], 16),
+        ([13, 1, 40, 7, 22, 9], 16),
+        ([9, 1, 21], 1),
+        ([70, 31], 32),
+    ]
+
+
+@pytest.mark.parametrize("variant", VARIANTS + ("auto",))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_decode_attention(variant, dtype, heads, case):
+    seq_lens, block_size = DECODE_CASES[case]
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(100 + case)
+    k_cache, v_cache, table, sl = make_paged(seq_lens, block_size, hkv, d, dtype, gen,
+                                             stale=case % 2 == 0)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    scale = d ** -0.5
+    out = decode_attention_triton(q, k_cache, v_cache, table, sl, scale, max(seq_lens),
+                                  variant=variant)
+    ref = decode_attention_torch(q, k_cache, v_cache, table, sl, scale, max(seq_lens))
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_decode_split_kv_forced_splits(num_splits):
+    """Explicit split counts, including splits that are empty for short sequences, a length-0
+    sequence (CUDA-graph padding -> zeros) and no max_seq_len hint."""
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[0]
+    gen = torch.Generator().manual_seed(num_splits)
+    seq_lens = [300, 1, 0, 77] if GPU else [50, 1, 0, 19]
+    k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    out = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant="split_kv",
+                                  num_splits=num_splits)
+    ref = decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5)
+    assert not torch.isnan(out).any()
+    assert torch.equal(out[2].float(), torch.zeros_like(out[2].float()))
+    keep = torch.tensor([0, 1, 3], device=DEV)
+    check(out[keep], ref[keep], dtype)
+
+
+def test_decode_zero_length_all_variants():
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[-1]
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, table, sl = make_paged([5, 0], 16, hkv, d, dtype, gen)
+    q = torch.randn(2, hq, d, generator=gen).to(dtype).to(DEV)
+    ref = decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5)
+    for variant in VARIANTS:
+        out = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant=variant)
+        assert not torch.isnan(out).any()
+        assert torch.equal(out[1].float(), torch.zeros_like(out[1].float()))
+        check(out[:1], ref[:1], dtype)
+
+
+def test_auto_plan_is_host_only():
+    """auto's choice depends only on host ints (CUDA-graph safe) and splits small batches."""
+    assert choose_decode_plan(1, 8, 32768, 132)[0] == "split_kv"
+    assert choose_decode_plan(256, 8, 4096, 132) == ("gqa", 1)
+    assert choose_decode_plan(1, 8, 16, 132) == ("gqa", 1)              # nothing to split
