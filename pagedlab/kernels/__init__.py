@@ -7,3 +7,30 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
   seq_lens         : [B] int32                         tokens of context, including new ones
   slot_mapping     : [T] int64                         physical slot (block * block_size + offset)
 """
+
+from types import SimpleNamespace
+
+KERNEL_FAMILIES = {
+    "rms_norm": "rmsnorm", "rope": "rope", "kv_store": "kv_store",
+    "prefill_attention": "prefill_attention", "decode_attention": "decode_attention",
+}
+
+
+def select_kernels(backend: str = "torch", decode_variant: str = "auto") -> SimpleNamespace:
+    """The five kernel functions the model calls, from one backend: "torch" (the references, any
+    device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
+    import functools
+    import importlib
+
+    if backend not in ("torch", "triton"):
+        raise ValueError(f"kernel backend must be 'torch' or 'triton', got {backend!r}")
+    fns = {}
+    for fn, module in KERNEL_FAMILIES.items():
+        mod = importlib.import_module(f"{__name__}.{module}")
+        impl = getattr(mod, f"{fn}_{backend}", None)
+        if impl is None:
+            raise NotImplementedError(f"pagedlab.kernels.{module} has no {fn}_{backend}")
+        fns[fn] = impl
+    if backend == "triton":
+        fns["decode_attention"] = functools.partial(fns["decode_attention"], variant=decode_variant)
+    return SimpleNamespace(backend=backend, **fns)

@@ -1,0 +1,229 @@
+"""The engine: request -> queue -> slot -> prefill -> decode steps -> stop -> blocks freed -> slot refilled.
+
+    engine = Engine(model, tokenizer, EngineConfig(...))
+    engine.add_request([token ids] or "text", SamplingParams(...))   # any time, even between steps
+    while engine.has_work():
+        for req in engine.step():          # one forward pass over every scheduled request
+            ...                            # requests that finished in this step
+
+One step = schedule (plain Python) -> pack the batch -> model forward (prefill tokens and decode
+tokens together) -> sample on the device -> one small host read of the chosen tokens -> update.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .attention import AttentionMetadata
+from .config import EngineConfig
+from .kv_cache import KVCache, blocks_needed
+from .request import Request, RequestStatus
+from .sampling import SamplingParams, sample
+from .scheduler import Scheduler
+from .trace import StepRecord, Trace
+
+
+def resolve_device_dtype(device=None, dtype=None):
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        dtype = getattr(torch, names.get(dtype, dtype))
+    return device, dtype
+
+
+def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype) -> int:
+    """Number of KV blocks: given, or a fraction of free device memory (CUDA), or on CPU enough
+    for every slot at max_model_len (capped at 4 GiB)."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    per_block = KVCache.bytes_per_block(model_config.num_layers, cfg.block_size,
+                                        model_config.num_kv_heads, model_config.head_dim, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, int(free * cfg.memory_fraction) // per_block)
+    want = cfg.max_num_seqs * blocks_needed(max_model_len, cfg.block_size)
+    return max(1, min(want, (4 << 30) // per_block))
+
+
+class Engine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or EngineConfig()
+        mc = model.config
+        self.device, self.dtype = model.device, model.dtype
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, model.cos_sin.shape[0])
+        num_blocks = pool_size(mc, cfg, self.max_model_len, self.device, self.dtype)
+        # A sequence can never outgrow the whole pool: cap its length there (never a deadlock).
+        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
+                                self.dtype, self.device)
+        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs,
+                                   blocks_needed(self.max_model_len, cfg.block_size),
+                                   cfg.max_num_batched_tokens, cfg.policy, self.device)
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
+        self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks) if cfg.trace else None
+        self._next_id = 0
+        self._seed_rng = torch.Generator().manual_seed(cfg.seed)
+        self._t0 = time.perf_counter()
+        self.requests: dict[int, Request] = {}
+
+    # -- requests -------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
+        """Queue a prompt (text, or a list of token ids). Checked completely before anything changes,
+        so a bad request raises ValueError and running requests are untouched. Returns its id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError("empty prompt: give some text or a non-empty list of token ids")
+            text = prompt
+            ids = self.tokenizer.chat(prompt) if chat else self.tokenizer.encode(prompt, add_bos=True)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}") from None
+            if not ids:
+                raise ValueError("empty prompt: give some text or a non-empty list of token ids")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but this engine holds at most {self.max_model_len} per "
+                f"sequence (prompt + at least one new token; limited by the model's max length and the "
+                f"KV pool of {self.kv_cache.num_blocks} blocks x {self.config.block_size}). Shorten the "
+                f"prompt or give the engine more blocks (num_blocks / memory_fraction).")
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31, (1,), generator=self._seed_rng))
+        req = Request(self._next_id, ids, params, seed, prompt=text)
+        self._next_id += 1
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+        return req.request_id
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step -------------------------------------------------------------
+    def _pack(self, prefill: list[Request], decode: list[Request]):
+        """Build the step's tensors: the new tokens of every prefill, then one token per decode."""
+        bs = self.config.block_size
+        ids, pos, owner = [], [], []            # per token: id, position, slot of its request
+        cu, p_lens, logit_rows = [0], [], []
+        for r in prefill:
+            n = r.num_tokens - r.num_computed
+            ids += r.all_token_ids[r.num_computed:]
+            pos += range(r.num_computed, r.num_tokens)
+            owner += [r.slot] * n
+            cu.append(cu[-1] + n)
+            p_lens.append(r.num_tokens)
+            logit_rows.append(cu[-1] - 1)
+        d_lens = [r.num_tokens for r in decode]
+        ids += [r.last_token_id for r in decode]
+        pos += [n - 1 for n in d_lens]
+        owner += [r.slot for r in decode]
+        logit_rows += range(cu[-1], cu[-1] + len(decode))
+        dev, table = self.device, self.scheduler.block_table.table
+
+        def t(x, dtype=torch.int32):
+            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
+
+        positions, owner = t(pos, torch.int64), t(owner, torch.int64)
+        # Where each new token's K/V goes, read from the block table on the device.
+        slot_mapping = table[owner, positions // bs].long() * bs + positions % bs
+        p_slots = t([r.slot for r in prefill], torch.int64)
+        d_slots = t([r.slot for r in decode], torch.int64)
+        # Only as many block-table columns as the longest sequence uses (kernels never read past).
+        p_cols = blocks_needed(max(p_lens, default=1), bs)
+        d_cols = blocks_needed(max(d_lens, default=1), bs)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping, num_prefill_tokens=cu[-1],
+            prefill_block_table=table[p_slots, :p_cols], cu_seqlens_q=t(cu), prefill_seq_lens=t(p_lens),
+            max_q_len=max((cu[i + 1] - cu[i] for i in range(len(prefill))), default=0),
+            decode_block_table=table[d_slots, :d_cols], decode_seq_lens=t(d_lens),
+            max_seq_len=max(d_lens, default=0))
+        return t(ids, torch.int64), positions, meta, t(logit_rows, torch.int64)
+
+    def _sample(self, logits, reqs: list[Request]) -> list[int]:
+        ps = [r.params for r in reqs]
+        if all(p.greedy for p in ps):
+            tokens = logits.argmax(dim=-1)
+        else:
+            dev = logits.device
+            tokens = sample(
+                logits,
+                temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
+                top_k=torch.tensor([p.top_k for p in ps], device=dev),
+                top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
+                seeds=torch.tensor([r.seed for r in reqs], device=dev),
+                positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
+                any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps))
+        return tokens.tolist()          # the step's one device -> host read
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that finished in it."""
+        t_start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if self.has_work():
+                raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
+            return []
+        reqs = sched.prefill + sched.decode
+        input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
+        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+        tokens = self._sample(logits, reqs)
+        now = time.perf_counter()
+        phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
+        record = (self._record(t_start, now, sched, phases, meta.slot_mapping.shape[0])
+                  if self.trace is not None else None)
+        finished = []
+        for r, tok in zip(reqs, tokens):
+            r.num_computed = r.num_tokens
+            r.output_token_ids.append(tok)
+            r.token_times.append(now)
+            reason = self._stop_reason(r, tok)
+            if reason:
+                r.finish_time = now
+                self.scheduler.finish(r, reason)
+                finished.append(r)
+        if record is not None:
+            record.emitted = {r.request_id: tok for r, tok in zip(reqs, tokens)}
+            record.finished = [r.request_id for r in finished]
+            self.trace.append(record)
+        return finished
+
+    def _stop_reason(self, r: Request, tok: int) -> str | None:
+        p = r.params
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        if len(r.output_token_ids) >= p.max_new_tokens or r.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _record(self, t_start, now, sched, phases, num_tokens) -> StepRecord:
+        s = self.scheduler
+        return StepRecord(
+            step=len(self.trace), start_s=t_start - self._t0, duration_s=now - t_start,
+            slot_request=[r.request_id if r else None for r in s.slots],
+            slot_phase=[phases.get(r.request_id) if r else None for r in s.slots],
+            block_table=[list(r.blocks) if r else [] for r in s.slots],
+            pool_used=s.allocator.num_used, pool_total=s.allocator.num_blocks,
+            queue=[r.request_id for r in s.waiting], emitted={}, num_tokens=num_tokens,
+            preempted=[r.request_id for r in sched.preempted])
+
+    def run(self, on_finish=None) -> list[Request]:
+        """Step until the queue and the slots are empty."""
+        done = []
+        while self.has_work():
+            finished = self.step()
+            done += finished
+            if on_finish:
+                for r in finished:
+                    on_finish(r)
+        return done

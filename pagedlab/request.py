@@ -1,0 +1,51 @@
+"""A request's life: WAITING in the queue -> RUNNING in a slot -> FINISHED (or PREEMPTED back to
+the front of the queue, to be recomputed later)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"     # waiting again, its blocks given back; its tokens are kept
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None          # "stop" (EOS / stop token) or "length"
+    slot: int | None = None
+    blocks: list[int] = field(default_factory=list)   # physical blocks, in logical order
+    num_computed: int = 0                     # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

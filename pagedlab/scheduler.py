@@ -1,0 +1,132 @@
+"""The scheduler: a queue of waiting requests, `max_num_seqs` slots, and the block allocator.
+
+Each step it decides who runs:
+  1. every running request needs room for one more token; when the pool is out of blocks, the
+     newest running request is preempted (blocks freed, back to the front of the queue; its tokens
+     are kept and recomputed by a prefill when it returns);
+  2. free slots are filled from the queue (prefill), while blocks and the step's token budget last.
+     policy "continuous": any free slot, any step.  policy "static": only when every slot is free,
+     so a batch starts together and ends with its longest member.
+Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .kv_cache import BlockAllocator, BlockTable, blocks_needed
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledStep:
+    prefill: list[Request] = field(default_factory=list)     # new tokens: all not yet computed
+    decode: list[Request] = field(default_factory=list)      # one token each
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 max_num_batched_tokens: int = 8192, policy: str = "continuous", device="cpu"):
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq, device)
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_num_seqs
+        self.admitted: list[Request] = []     # running requests in the order they got their slot
+
+    # -- queue and slots ------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def running(self) -> list[Request]:
+        return list(self.admitted)
+
+    @property
+    def free_slots(self) -> list[int]:
+        return [i for i, r in enumerate(self.slots) if r is None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or bool(self.admitted)
+
+    # -- blocks ---------------------------------------------------------------
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` blocks for `num_tokens` tokens; False if the pool cannot."""
+        need = blocks_needed(num_tokens, self.block_size) - len(req.blocks)
+        if need <= 0:
+            return True
+        if need > self.allocator.num_free:
+            return False
+        new = self.allocator.allocate(req.request_id, need)
+        start = len(req.blocks)
+        req.blocks += new
+        if need == 1:
+            self.block_table.append(req.slot, start, new[0])
+        else:
+            self.block_table.set_row(req.slot, req.blocks)
+        return True
+
+    def _release(self, req: Request) -> None:
+        """Blocks back to the pool, the slot emptied."""
+        self.allocator.free(req.blocks)
+        self.block_table.clear_row(req.slot, len(req.blocks))
+        req.blocks = []
+        req.num_computed = 0
+        self.slots[req.slot] = None
+        req.slot = None
+        self.admitted.remove(req)
+
+    def preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req.slot is not None:
+            self._release(req)
+
+    # -- one step -------------------------------------------------------------
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        # 1. room for each running request's next token; oldest first, the newest is preempted.
+        for req in list(self.admitted):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            while not self._grow(req, req.num_tokens):
+                victim = self.admitted[-1]
+                self.preempt(victim)
+                step.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                step.decode.append(req)
+        # 2. fill free slots from the queue.
+        if self.policy == "static" and self.admitted:
+            return step
+        budget = self.max_num_batched_tokens - len(step.decode)
+        while self.waiting and None in self.slots:
+            req = self.waiting[0]
+            need = req.num_tokens - req.num_computed
+            if (step.prefill or step.decode) and need > budget:
+                break
+            if blocks_needed(req.num_tokens, self.block_size) > self.allocator.num_free:
+                break                  # wait for running requests to free blocks
+            self.waiting.popleft()
+            req.slot = self.slots.index(None)
+            self.slots[req.slot] = req
+            self.admitted.append(req)
+            req.status = RequestStatus.RUNNING
+            self._grow(req, req.num_tokens)
+            step.prefill.append(req)
+            budget -= need
+        return step
