@@ -1,0 +1,357 @@
+"""Benchmark the attention kernels: `python -m pagedlab bench kernels` (or python -m pagedlab.bench_kernels).
+
+Decode: for each paged decode variant, the achieved K/V bandwidth = bytes of K and V read
+(batch * context * Hkv * D * 2 tensors * element size) / median time from triton.testing.do_bench,
+beside the device's copy bandwidth measured in the same run (read + write bytes of a 1 GiB
+device-to-device copy / time) and torch's scaled_dot_product_attention on a CONTIGUOUS (unpaged)
+cache of the same shape. Prefill: TFLOP/s of the causal paged prefill kernel beside torch SDPA
+(causal, contiguous). Writes a JSON of every measurement, a markdown table and plots to --out.
+
+Shapes are Llama-3.2-1B's attention: 32 query heads, 8 KV heads, head_dim 64, bf16, page 16,
+every sequence's pages scattered (shuffled block table).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+
+import torch
+
+HQ, HKV, D, PAGE = 32, 8, 64, 16
+DTYPE = torch.bfloat16
+
+# The reference rows of the issue (H200, Triton 3.6, bf16, 2026-11-29): median microseconds.
+TABLE_ROWS = [(1, 8192), (1, 32768), (4, 8192), (16, 2048), (64, 1024), (64, 2048), (128, 2048),
+              (256, 4096)]
+VLLM_US = {(1, 8192): 61.2, (1, 32768): 66.8, (4, 8192): 41.5, (16, 2048): 42.0,
+           (64, 1024): 53.9, (64, 2048): 88.9, (128, 2048): 159.4, (256, 4096): 580.5}
+ISSUE_SDPA_US = {(1, 8192): 16.0, (1, 32768): 32.0, (4, 8192): 31.2, (16, 2048): 32.2,
+                 (64, 1024): 45.9, (64, 2048): 76.0, (128, 2048): 134.9, (256, 4096): 491.1}
+SWEEP_BATCH = [1, 4, 16, 64, 256]
+SWEEP_CTX = [128, 512, 2048, 8192, 32768]
+MAX_TOKENS = 1 << 20                       # batch * context cap for the sweep (memory, time)
+PREFILL_LENS = [512, 1024, 2048, 4096, 8192]
+PREFILL_TOKENS = 16384
+
+
+def _bench(fn, graph=False, rep=100):
+    import triton.testing
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3   # us
+
+
+def copy_bandwidth(device) -> float:
+    """TB/s of a 1 GiB device copy, counting read + write bytes."""
+    n = 1 << 29
+    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    b = torch.empty_like(a)
+    us = _bench(lambda: b.copy_(a))
+    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e12
+
+
+def make_decode_case(batch, ctx, device, gen):
+    blocks_per_seq = -(-ctx // PAGE)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    v_cache = torch.randn(num_blocks, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    perm = torch.randperm(num_blocks, device=device, generator=gen)
+    table = perm.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, device=device, dtype=DTYPE, generator=gen)
+    return q, k_cache, v_cache, table, seq_lens
+
+
+def kv_bytes(batch, ctx):
+    return batch * ctx * HKV * D * 2 * torch.finfo(DTYPE).bits // 8
+
+
+def bench_decode_shape(batch, ctx, device, gen, variants, graph=False, sdpa=True, configs=None,
+                       splits=None, rep=100):
+    """Returns {name: microseconds} for one shape."""
+    from pagedlab.kernels import decode_attention as da
+    q, kc, vc, table, sl = make_decode_case(batch, ctx, device, gen)
+    scale = D ** -0.5
+    res = {}
+    for v in variants:
+        res[v] = _bench(lambda: da.decode_attention_triton(q, kc, vc, table, sl, scale, ctx,
+                                                           variant=v), rep=rep)
+        if graph and v == "auto":
+            res["auto_graph"] = _bench(lambda: da.decode_attention_triton(
+                q, kc, vc, table, sl, scale, ctx, variant="auto"), graph=True)
+    for cfg_name, cfg in (configs or {}).items():
+        old = dict(da.DECODE_CONFIG["split_kv"])
+        da.DECODE_CONFIG["split_kv"].update(cfg)
+        try:
+            res[cfg_name] = _bench(lambda: da.decode_attention_triton(
+                q, kc, vc, table, sl, scale, ctx, variant="split_kv",
+                num_splits=cfg.get("splits")), rep=rep)
+        except Exception as e:  # a config that does not compile (shared memory) is skipped
+            res[cfg_name] = None
+            print(f"  config {cfg_name} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+        finally:
+            da.DECODE_CONFIG["split_kv"].clear()
+            da.DECODE_CONFIG["split_kv"].update(old)
+    for s in splits or []:
+        res[f"splits={s}"] = _bench(lambda: da.decode_attention_triton(
+            q, kc, vc, table, sl, scale, ctx, variant="split_kv", num_splits=s), rep=rep)
+    if sdpa:
+        import torch.nn.functional as F
+        # contiguous cache of the same size: [B, Hkv, L, D]; the G query heads of a group are
+        # passed as G query rows against their KV head (exactly GQA decode, no K/V duplication)
+        k = torch.randn(batch, HKV, ctx, D, device=device, dtype=DTYPE, generator=gen)
+        v = torch.randn(batch, HKV, ctx, D, device=device, dtype=DTYPE, generator=gen)
+        qg = q.view(batch, HKV, HQ // HKV, D)
+        res["sdpa"] = _bench(lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale), rep=rep)
+        try:
+            q4 = q.view(batch, HQ, 1, D)
+            res["sdpa_gqa"] = _bench(lambda: F.scaled_dot_product_attention(
+                q4, k, v, scale=scale, enable_gqa=True), rep=rep)
+        except Exception as e:
+            print(f"  sdpa enable_gqa failed: {e}", flush=True)
+        if graph:
+            res["sdpa_graph"] = _bench(lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale),
+                                       graph=True)
+        del k, v
+    out_ref = da.decode_attention_torch(q[:1], kc, vc, table[:1], sl[:1], scale) if ctx <= 8192 else None
+    if out_ref is not None:   # sanity: the timed kernel is right at this shape
+        out = da.decode_attention_triton(q[:1], kc, vc, table[:1], sl[:1], scale, ctx, variant="auto")
+        err = ((out.float() - out_ref.float()).norm() / out_ref.float().norm()).item()
+        assert err < 1e-2, f"auto decode wrong at B={batch} ctx={ctx}: rel err {err}"
+    del q, kc, vc, table, sl
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_prefill(device, gen, configs=None):
+    import torch.nn.functional as F
+
+    from pagedlab.kernels import prefill_attention as pa
+    rows = []
+    for L in PREFILL_LENS:
+        batch = max(1, PREFILL_TOKENS // L)
+        blocks = -(-L // PAGE)
+        num_blocks = batch * blocks
+        kc = torch.randn(num_blocks, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        vc = torch.randn(num_blocks, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        table = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks).int()
+        sl = torch.full((batch,), L, dtype=torch.int32, device=device)
+        cu = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * L
+        q = torch.randn(batch * L, HQ, D, device=device, dtype=DTYPE, generator=gen)
+        scale = D ** -0.5
+        flops = 4 * batch * HQ * D * L * (L + 1) / 2          # causal: QK^T and PV, half the square
+        row = {"seq_len": L, "batch": batch}
+        row["triton_us"] = _bench(lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl,
+                                                                      scale, L))
+        for name, cfg in (configs or {}).items():
+            old = dict(pa.PREFILL_CONFIG)
+            pa.PREFILL_CONFIG.update(cfg)
+            try:
+                row[name] = _bench(lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl,
+                                                                       scale, L))
+            except Exception as e:
+                row[name] = None
+                print(f"  prefill config {name} failed: {type(e).__name__}: {str(e)[:120]}")
+            finally:
+                pa.PREFILL_CONFIG.clear()
+                pa.PREFILL_CONFIG.update(old)
+        qc = q.view(batch, L, HQ, D).transpose(1, 2)
+        kcont = torch.randn(batch, HKV, L, D, device=device, dtype=DTYPE, generator=gen)
+        vcont = torch.randn(batch, HKV, L, D, device=device, dtype=DTYPE, generator=gen)
+        try:
+            row["sdpa_us"] = _bench(lambda: F.scaled_dot_product_attention(
+                qc, kcont, vcont, is_causal=True, scale=scale, enable_gqa=True))
+            row["sdpa_kind"] = "enable_gqa"
+        except Exception:
+            ke = kcont.repeat_interleave(HQ // HKV, 1)
+            ve = vcont.repeat_interleave(HQ // HKV, 1)
+            row["sdpa_us"] = _bench(lambda: F.scaled_dot_product_attention(
+                qc, ke, ve, is_causal=True, scale=scale))
+            row["sdpa_kind"] = "expanded kv"
+        # and with K/V expanded to all query heads (the flash backend's fastest path)
+        ke = kcont.repeat_interleave(HQ // HKV, 1)
+        ve = vcont.repeat_interleave(HQ // HKV, 1)
+        row["sdpa_expanded_us"] = _bench(lambda: F.scaled_dot_product_attention(
+            qc, ke, ve, is_causal=True, scale=scale))
+        row["triton_tflops"] = flops / (row["triton_us"] * 1e-6) / 1e12
+        row["sdpa_tflops"] = flops / (min(row["sdpa_us"], row["sdpa_expanded_us"]) * 1e-6) / 1e12
+        row["flops"] = flops
+        ref_rows = cu[1].item()            # sanity on the first sequence
+        out = pa.prefill_attention_triton(q[:ref_rows], kc, vc, table[:1], cu[:2], sl[:1], scale, L)
+        ref = F.scaled_dot_product_attention(qc[:1], kcont[:1] * 0 + pa_gather(kc, table[:1], L),
+                                             pa_gather(vc, table[:1], L), is_causal=True,
+                                             scale=scale, enable_gqa=True)
+        ref = ref[0].transpose(0, 1)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        row["rel_err_vs_sdpa"] = err
+        print(f"prefill L={L:5d} B={batch:3d}: triton {row['triton_us']:9.1f} us "
+              f"{row['triton_tflops']:6.1f} TFLOP/s | sdpa {row['sdpa_us']:9.1f} us "
+              f"(expanded {row['sdpa_expanded_us']:9.1f}) {row['sdpa_tflops']:6.1f} TFLOP/s "
+              f"| err {err:.2e}", flush=True)
+        rows.append(row)
+        del kc, vc, q, kcont, vcont, ke, ve
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pa_gather(cache, table, L):
+    from pagedlab.kernels.paged import gather_pages
+    return gather_pages(cache, table)[:, :L].transpose(1, 2)      # [1, Hkv, L, D]
+
+
+def fmt_table(results, copy_bw):
+    lines = ["| batch | context | naive | blocked | gqa | split_kv | **auto** | auto (graph) | "
+             "SDPA contiguous (same run) | vLLM Triton (issue) | SDPA (issue) | auto K/V TB/s | "
+             "auto / vLLM | auto / SDPA (issue) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        b, c = r["batch"], r["ctx"]
+        t = r["us"]
+        sd = min(x for x in (t.get("sdpa"), t.get("sdpa_gqa")) if x is not None)
+        bw = kv_bytes(b, c) / (t["auto"] * 1e-6) / 1e12
+
+        def f(x):
+            return "-" if x is None else f"{x:.1f}"
+        lines.append(f"| {b} | {c:,} | {f(t.get('naive'))} | {f(t.get('blocked'))} | "
+                     f"{f(t.get('gqa'))} | {f(t.get('split_kv'))} | **{f(t['auto'])}** | "
+                     f"{f(t.get('auto_graph'))} | {f(sd)} | {VLLM_US[(b, c)]} | "
+                     f"{ISSUE_SDPA_US[(b, c)]} | {bw:.2f} | {t['auto'] / VLLM_US[(b, c)]:.2f}x | "
+                     f"{t['auto'] / ISSUE_SDPA_US[(b, c)]:.2f}x |")
+    lines.append(f"\ncopy bandwidth (read + write) measured in the same run: {copy_bw:.2f} TB/s")
+    return "\n".join(lines)
+
+
+def plot(sweep, prefill_rows, copy_bw, out_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    batches = sorted({r["batch"] for r in sweep})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.8), sharey=True)
+    for ax, b in zip(axes, batches):
+        rows = sorted([r for r in sweep if r["batch"] == b], key=lambda r: r["ctx"])
+        ctxs = [r["ctx"] for r in rows]
+        for name, style in (("naive", ":"), ("blocked", "--"), ("gqa", "-."), ("split_kv", "-"),
+                            ("sdpa", "-")):
+            ys = [kv_bytes(b, r["ctx"]) / (r["us"][name] * 1e-6) / 1e12 if r["us"].get(name) else None
+                  for r in rows]
+            xs = [c for c, y in zip(ctxs, ys) if y is not None]
+            ys = [y for y in ys if y is not None]
+            if ys:
+                ax.plot(xs, ys, style, marker="o", ms=3,
+                        label="SDPA contiguous" if name == "sdpa" else name,
+                        color="black" if name == "sdpa" else None)
+        ax.axhline(copy_bw / 2, color="gray", lw=0.8, ls="--", label="copy BW (read only)")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("context (tokens)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("K/V read bandwidth (TB/s)")
+    axes[-1].legend(fontsize=7)
+    fig.suptitle("Paged decode attention, H200, bf16, 32q/8kv heads, head_dim 64, page 16")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "kernels_decode_bandwidth.png"), dpi=120)
+    plt.close(fig)
+
+    if prefill_rows:
+        fig, ax = plt.subplots(figsize=(5, 3.8))
+        ls = [r["seq_len"] for r in prefill_rows]
+        ax.plot(ls, [r["triton_tflops"] for r in prefill_rows], marker="o", label="Triton paged prefill")
+        ax.plot(ls, [r["sdpa_tflops"] for r in prefill_rows], marker="o", color="black",
+                label="torch SDPA (contiguous)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (16k tokens per batch)")
+        ax.set_ylabel("TFLOP/s (causal)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title("Causal prefill attention, H200, bf16")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "kernels_prefill_tflops.png"), dpi=120)
+        plt.close(fig)
+
+
+DECODE_TUNE_CONFIGS = {
+    f"cfg_n{n}_w{w}_s{s}": {"BLOCK_N": n, "num_warps": w, "num_stages": s}
+    for n, w, s in [(32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 2, 3), (64, 8, 3), (128, 4, 2),
+                    (128, 4, 3), (128, 8, 2), (128, 8, 3), (256, 8, 2)]
+}
+PREFILL_TUNE_CONFIGS = {
+    f"cfg_m{m}_n{n}_w{w}_s{s}": {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+    for m, n, w, s in [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                       (64, 128, 4, 3), (128, 64, 8, 4), (128, 128, 4, 2)]
+}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="pagedlab bench kernels", description=__doc__)
+    ap.add_argument("--out", default="figures", help="folder for the JSON, table and plots")
+    ap.add_argument("--tune", action="store_true", help="also sweep launch configs and splits")
+    ap.add_argument("--quick", action="store_true", help="only the table rows, no sweep")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device", file=sys.stderr)
+        return 1
+    import triton
+
+    from pagedlab.kernels import decode_attention as da
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(0)
+    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda,
+            "date": datetime.date.today().isoformat(), "python": platform.python_version(),
+            "command": "python -m pagedlab.bench_kernels " + " ".join(argv or sys.argv[1:]),
+            "decode_config": da.DECODE_CONFIG, "sm_count": da._sm_count(device)}
+    print(json.dumps(meta), flush=True)
+    copy_bw = copy_bandwidth(device)
+    meta["copy_bw_tbs"] = copy_bw
+    print(f"copy bandwidth (read+write): {copy_bw:.2f} TB/s", flush=True)
+
+    table = []
+    for b, c in TABLE_ROWS:
+        variants = ["naive", "blocked", "gqa", "split_kv", "auto"]
+        res = bench_decode_shape(b, c, device, gen, variants, graph=True,
+                                 configs=DECODE_TUNE_CONFIGS if args.tune else None,
+                                 splits=[1, 2, 4, 8, 16, 32, 64] if args.tune else None)
+        plan = da.choose_decode_plan(b, HKV, c, da._sm_count(device),
+                                     da.DECODE_CONFIG["split_kv"]["BLOCK_N"])
+        table.append({"batch": b, "ctx": c, "us": res, "auto_plan": plan})
+        print(f"decode B={b:3d} ctx={c:6d} plan={plan}: " +
+              " ".join(f"{k}={v:.1f}" for k, v in res.items() if v is not None), flush=True)
+    md = fmt_table(table, copy_bw)
+    print(md, flush=True)
+
+    sweep = []
+    if not args.quick:
+        for b in SWEEP_BATCH:
+            for c in SWEEP_CTX:
+                if b * c > MAX_TOKENS:
+                    continue
+                variants = ["blocked", "gqa", "split_kv", "auto"] + (["naive"] if b * c <= 65536 else [])
+                res = bench_decode_shape(b, c, device, gen, variants, rep=50)
+                sweep.append({"batch": b, "ctx": c, "us": res})
+                print(f"sweep B={b:3d} ctx={c:6d}: " +
+                      " ".join(f"{k}={v:.1f}" for k, v in res.items() if v is not None), flush=True)
+    prefill_rows = bench_prefill(device, gen, PREFILL_TUNE_CONFIGS if args.tune else None)
+
+    with open(os.path.join(args.out, "kernels_bench.json"), "w") as f:
+        json.dump({"meta": meta, "table": table, "sweep": sweep, "prefill": prefill_rows}, f,
+                  indent=1, default=str)
+    with open(os.path.join(args.out, "kernels_table.md"), "w") as f:
+        f.write(md + "\n")
+    try:
+        plot(sweep or table, prefill_rows, copy_bw, args.out)
+    except Exception as e:
+        print(f"plot failed: {e}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
