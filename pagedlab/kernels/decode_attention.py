@@ -93,8 +93,9 @@ def _decode_naive_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_d, mask=dmask,
                 other=0.0).to(tl.float32) * sm_scale
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    m_i = -1.0e30
-    l_i = 0.0
+    zero = tl.sum(tl.zeros([BLOCK_D], dtype=tl.float32), axis=0)   # an fp32 scalar TENSOR, so
+    m_i = zero - 1.0e30                                              # the loop-carried types stay
+    l_i = zero                                                       # fixed when compiled
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for n in range(0, seq_len):
         blk = tl.load(bt_row + n // BS).to(tl.int64)
@@ -134,8 +135,9 @@ def _decode_blocked_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + h * stride_qh + offs_d, mask=dmask,
                 other=0.0).to(tl.float32) * sm_scale
     bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    m_i = -1.0e30
-    l_i = 0.0
+    zero = tl.sum(tl.zeros([BLOCK_D], dtype=tl.float32), axis=0)   # an fp32 scalar TENSOR, so
+    m_i = zero - 1.0e30                                              # the loop-carried types stay
+    l_i = zero                                                       # fixed when compiled
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, seq_len, BLOCK_N):
         k_pos = start + offs_n
