@@ -49,9 +49,10 @@ def _progress(iterable, total, desc, show):
 
 # ---------------------------------------------------------------- random weights
 def random_checkpoint(config: ModelConfig, seed: int = 0) -> Checkpoint:
-    """Random weights for `config`: embeddings ~ N(0, 1), each linear ~ N(0, 1/fan_in), norm
-    weights near 1. Scaled so every layer changes the residual stream and logits are well separated
-    (greedy choices are not near-ties), which makes comparisons between implementations sharp."""
+    """Random weights for `config`: each linear ~ N(0, 1/fan_in) (keeps activations at unit scale),
+    norm weights near 1, embeddings ~ N(0, 0.05^2). Small embeddings matter with a tied LM head:
+    with large ones every token's logit is dominated by its own embedding and a random model just
+    repeats its input; with these, the next token depends on the whole context."""
     g = torch.Generator().manual_seed(seed)
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -62,7 +63,7 @@ def random_checkpoint(config: ModelConfig, seed: int = 0) -> Checkpoint:
     def norm():
         return 1.0 + 0.1 * torch.randn(c.hidden_size, generator=g)
 
-    t = {"model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=g)}
+    t = {"model.embed_tokens.weight": 0.05 * torch.randn(c.vocab_size, c.hidden_size, generator=g)}
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = norm()
