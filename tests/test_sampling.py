@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from helpers import tiny_llm
+from pagedlab import SamplingParams
+from pagedlab.sampling import counter_uniform, sample
+
+
+def rows(b, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, v, generator=g) * 3
+
+
+def call(logits, t=1.0, k=0, p=1.0, seeds=None, pos=None):
+    b = logits.shape[0]
+    return sample(logits, torch.full((b,), float(t)), torch.full((b,), k), torch.full((b,), float(p)),
+                  seeds if seeds is not None else torch.arange(b), pos if pos is not None else torch.zeros(b, dtype=torch.long),
+                  any_top_filter=k > 0 or p < 1)
+
+
+def test_zero_temperature_and_top_k_1_are_greedy():
+    lg = rows(9, 301)
+    assert torch.equal(call(lg, t=0.0), lg.argmax(-1))
+    assert torch.equal(call(lg, t=0.7, k=1), lg.argmax(-1))
+    assert torch.equal(call(lg, t=0.7, p=1e-6), lg.argmax(-1))
+
+
+def test_samples_follow_the_softmax():
+    v, n = 7, 20000
+    lg = torch.tensor([[1.0, 0.5, 0.0, -1.0, 2.0, 0.3, -0.5]]).repeat(n, 1)
+    toks = call(lg, t=0.8, seeds=torch.arange(n) * 7919 + 11)
+    freq = torch.bincount(toks, minlength=v).double() / n
+    expect = torch.softmax(lg[0].double() / 0.8, -1)
+    assert (freq - expect).abs().max() < 0.015
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    lg = (rows(1, 50) / 3).repeat(4000, 1)
+    seeds = torch.arange(4000)
+    top5 = set(lg[0].topk(5).indices.tolist())
+    assert set(call(lg, k=5, seeds=seeds).tolist()) <= top5
+    probs = torch.softmax(lg[0], -1)
+    sp, order = probs.sort(descending=True)
+    nucleus = set(order[:int((sp.cumsum(0) < 0.6).sum()) + 1].tolist())
+    got = set(call(lg, p=0.6, seeds=seeds).tolist())
+    assert got <= nucleus and len(got) > 1
+
+
+def test_counter_noise_is_uniform_and_depends_on_every_input():
+    u = counter_uniform(torch.arange(64), torch.arange(64) * 3, 1000)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    a = counter_uniform(torch.tensor([5]), torch.tensor([9]), 100)
+    assert not torch.equal(a, counter_uniform(torch.tensor([6]), torch.tensor([9]), 100))
+    assert not torch.equal(a, counter_uniform(torch.tensor([5]), torch.tensor([10]), 100))
+
+
+def test_seeded_requests_reproduce_whatever_shares_their_batch():
+    llm = tiny_llm(max_num_seqs=4, num_blocks=128)
+    sp = SamplingParams(max_new_tokens=15, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate([[3, 4, 5]], sp)[0].token_ids
+    other = SamplingParams(max_new_tokens=9, temperature=0.8, top_k=20, ignore_eos=True)
+    crowd = llm.generate([[7, 7], [3, 4, 5], [9, 10, 11, 12]], [other, sp, other])[1].token_ids
+    assert alone == crowd
+    different = llm.generate([[3, 4, 5]], SamplingParams(max_new_tokens=15, temperature=1.0, top_p=0.9,
+                                                        seed=99, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_new_tokens=2.5),
+                                dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
+                                dict(top_p=0.0), dict(top_p=1.5), dict(seed="x")])
+def test_invalid_sampling_values_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SamplingParams(**kw)
