@@ -1,0 +1,46 @@
+"""The set-up the README promises: environment.yml and pyproject.toml agree, CI runs the README."""
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject():
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:                                     # pragma: no cover
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def env_pip_requirements():
+    lines = (ROOT / "environment.yml").read_text().splitlines()
+    start = next(i for i, l in enumerate(lines) if l.strip() == "- pip:")
+    reqs = []
+    for l in lines[start + 1:]:
+        m = re.match(r"^\s+- (.+)$", l)
+        if m:
+            reqs.append(m.group(1).strip())
+    return reqs
+
+
+def test_environment_yml_matches_pyproject():
+    proj = pyproject()["project"]
+    wanted = proj["dependencies"] + proj["optional-dependencies"]["test"]
+    got = [r for r in env_pip_requirements() if r != "-e ."]
+    assert sorted(got) == sorted(wanted)
+    assert "-e ." in env_pip_requirements()
+
+
+def test_torch_not_pinned_to_one_version():
+    torch_req = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("torch"))
+    assert "==" not in torch_req
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```\n<!-- /test-command -->", readme, re.S)
+    assert block, "README lacks the marked test command"
+    assert "pytest" in block.group(1)
+    assert "README.md" in (ROOT / ".ci" / "run").read_text()
