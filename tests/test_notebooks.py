@@ -1,0 +1,84 @@
+"""The notebooks: each runs top to bottom (nbclient), and none is committed with outputs.
+
+On a machine without CUDA: PAGEDLAB_SMALL=1 (tiny random model, tiny workloads) and
+TRITON_INTERPRET=1 (Triton cells run in the interpreter). With CUDA the environment is left as it
+is, so the notebooks pick their GPU path (random Llama-3.2-1B shape when there is no hub access).
+Each notebook has a time budget; PAGEDLAB_NB_BUDGET_SCALE scales all budgets (slow machines).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NB_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+# Seconds allowed per notebook on the 2-core CPU CI box (SMALL path); the GPU path is given the same.
+BUDGET_S = {"04": 150, "06": 150}
+DEFAULT_BUDGET_S = 90
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def test_notebooks_exist():
+    names = [p.stem[:2] for p in NOTEBOOKS]
+    assert names == sorted(set(names)) and names[:1] == ["00"], names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_is_clean(path):
+    """Committed notebooks carry no outputs, no execution counts and no widget state."""
+    nb = json.loads(path.read_text())
+    assert "widgets" not in nb.get("metadata", {}), f"{path.name}: widget state in the metadata"
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        assert not cell.get("outputs"), f"{path.name} cell {i} has outputs (clear them before committing)"
+        assert cell.get("execution_count") is None, f"{path.name} cell {i} has an execution count"
+        assert "widgets" not in cell.get("metadata", {}), f"{path.name} cell {i} has widget metadata"
+
+
+def test_notebook_structure():
+    """Every notebook: a title, learning goals, the set-up cell, a recap, exercises, a summary."""
+    for path in NOTEBOOKS:
+        nb = json.loads(path.read_text())
+        md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+        assert md.lstrip().startswith("# "), f"{path.name}: no title"
+        for part in ("Learning goals", "## Recap", "## Exercises", "## Summary"):
+            assert part in md, f"{path.name}: no {part!r}"
+        assert "PAGEDLAB_PIP" in code and "choose_model()" in code, f"{path.name}: no set-up/parameters cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    if not _cuda():
+        monkeypatch.setenv("PAGEDLAB_SMALL", "1")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("PAGEDLAB_NO_INSTALL", "1")     # never pip install during tests
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    budget = BUDGET_S.get(path.stem[:2], DEFAULT_BUDGET_S) * float(os.environ.get("PAGEDLAB_NB_BUDGET_SCALE", "1"))
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=int(budget * 2), kernel_name="python3",
+                                     resources={"metadata": {"path": str(NB_DIR)}})
+    t0 = time.perf_counter()
+    client.execute()
+    elapsed = time.perf_counter() - t0
+    print(f"{path.name}: {elapsed:.1f} s")
+    assert elapsed < budget, f"{path.name} took {elapsed:.0f} s, over its {budget:.0f} s budget"
