@@ -73,21 +73,28 @@ PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3
 def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n, offs_d, q_pos,
                   seq_len, sm_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                   stride_vh, D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, EVEN_D: tl.constexpr, IDX64: tl.constexpr):
     k_pos = start + offs_n
-    dmask = offs_d < D
     if MASKED:
         kmask = k_pos < seq_len
-        blk = tl.load(bt_row_ptr + k_pos // BS, mask=kmask, other=0).to(tl.int64)
-        ld_mask = kmask[:, None] & dmask[None, :]
+        blk = tl.load(bt_row_ptr + k_pos // BS, mask=kmask, other=0)
     else:
-        blk = tl.load(bt_row_ptr + k_pos // BS).to(tl.int64)
-        ld_mask = dmask[None, :]
-    tok = (k_pos % BS).to(tl.int64)
-    k = tl.load(k_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None]
-                + offs_d[None, :], mask=ld_mask, other=0.0)
-    v = tl.load(v_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None]
-                + offs_d[None, :], mask=ld_mask, other=0.0)
+        blk = tl.load(bt_row_ptr + k_pos // BS)
+    if IDX64:                                  # int32 address math unless the pool is huge
+        blk = blk.to(tl.int64)
+    tok = k_pos % BS
+    k_ptrs = k_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
+    v_ptrs = v_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
+    if MASKED:
+        ld_mask = kmask[:, None] & (offs_d[None, :] < D)
+        k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
+    elif EVEN_D:                               # the bulk of the work: no predicate at all
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=offs_d[None, :] < D, other=0.0)
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -114,7 +121,7 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
                               stride_bt, num_m_tiles,
                               G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
                               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr):
+                              IEEE: tl.constexpr, EVEN_D: tl.constexpr, IDX64: tl.constexpr):
     pid_m = num_m_tiles - 1 - tl.program_id(0)          # heaviest (last) query tiles first
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -147,14 +154,14 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
                                       offs_n, offs_d, q_pos, seq_len, sm_scale, stride_kb,
                                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                      D, BS, False, IEEE)
+                                      D, BS, False, IEEE, EVEN_D, IDX64)
     # phase 2: the tiles that cross the causal diagonal (and the end of the sequence) -> masked
     diag_end = tl.where(tile_live, tl.minimum(ctx + m_start + BLOCK_M, seq_len), 0)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
                                       offs_n, offs_d, q_pos, seq_len, sm_scale, stride_kb,
                                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                      D, BS, True, IEEE)
+                                      D, BS, True, IEEE, EVEN_D, IDX64)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -195,5 +202,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         block_table.stride(0), num_m_tiles,
         G=hq // hkv, BS=bs, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
+        EVEN_D=d == max(16, triton.next_power_of_2(d)),
+        IDX64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
