@@ -126,6 +126,7 @@ class EngineConfig:
                        starts together and ends with its longest member).
     attention_backend: "torch" (plain torch, CPU and GPU), "triton", or "auto" (triton on CUDA).
     decode_variant:    which Triton decode kernel: naive, blocked, gqa, split_kv or auto.
+    cuda_graphs:       on CUDA, replay captured graphs for decode-only steps (see cuda_graph.py).
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -136,6 +137,7 @@ class EngineConfig:
     policy: str = "continuous"
     attention_backend: str = "auto"
     decode_variant: str = "auto"
+    cuda_graphs: bool = True
     dtype: str | None = None
     device: str | None = None
     trace: bool = False

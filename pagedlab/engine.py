@@ -69,6 +69,13 @@ class Engine:
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self._t0 = time.perf_counter()
         self.requests: dict[int, Request] = {}
+        # host-side time per phase of a step (seconds, summed): what the scheduler itself costs
+        self.timing = dict(schedule=0.0, pack=0.0, forward_sample=0.0, update=0.0, steps=0)
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from .cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table.shape[1],
+                                       self.max_model_len, min(cfg.max_num_seqs, 512), self.kv_cache.null_block)
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
@@ -129,26 +136,26 @@ class Engine:
         pos += [n - 1 for n in d_lens]
         owner += [r.slot for r in decode]
         logit_rows += range(cu[-1], cu[-1] + len(decode))
-        dev, table = self.device, self.scheduler.block_table.table
-
-        def t(x, dtype=torch.int32):
-            return torch.tensor(x, dtype=dtype).to(dev, non_blocking=True)
-
-        positions, owner = t(pos, torch.int64), t(owner, torch.int64)
+        table = self.scheduler.block_table.table
+        p_slots, d_slots = [r.slot for r in prefill], [r.slot for r in decode]
+        parts = [ids, pos, owner, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
+        flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+        flat = flat.to(self.device, non_blocking=True)          # one host -> device copy per step
+        ids_t, positions, owner, cu_t, p_lens_t, d_lens_t, p_slots_t, d_slots_t, rows_t = \
+            flat.split([len(part) for part in parts])
         # Where each new token's K/V goes, read from the block table on the device.
         slot_mapping = table[owner, positions // bs].long() * bs + positions % bs
-        p_slots = t([r.slot for r in prefill], torch.int64)
-        d_slots = t([r.slot for r in decode], torch.int64)
         # Only as many block-table columns as the longest sequence uses (kernels never read past).
         p_cols = blocks_needed(max(p_lens, default=1), bs)
         d_cols = blocks_needed(max(d_lens, default=1), bs)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping, num_prefill_tokens=cu[-1],
-            prefill_block_table=table[p_slots, :p_cols], cu_seqlens_q=t(cu), prefill_seq_lens=t(p_lens),
+            prefill_block_table=table[p_slots_t, :p_cols], cu_seqlens_q=cu_t.int(),
+            prefill_seq_lens=p_lens_t.int(),
             max_q_len=max((cu[i + 1] - cu[i] for i in range(len(prefill))), default=0),
-            decode_block_table=table[d_slots, :d_cols], decode_seq_lens=t(d_lens),
+            decode_block_table=table[d_slots_t, :d_cols], decode_seq_lens=d_lens_t.int(),
             max_seq_len=max(d_lens, default=0))
-        return t(ids, torch.int64), positions, meta, t(logit_rows, torch.int64)
+        return ids_t, positions, meta, rows_t
 
     def _sample(self, logits, reqs: list[Request]) -> list[int]:
         ps = [r.params for r in reqs]
@@ -175,12 +182,20 @@ class Engine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
             return []
         reqs = sched.prefill + sched.decode
-        input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
-        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+        t_packed = time.perf_counter()
+        if not sched.prefill and self.graphs is not None and self.graphs.can_run(len(reqs)):
+            packed = torch.tensor([[r.last_token_id for r in reqs], [r.num_tokens for r in reqs],
+                                   [r.slot for r in reqs]], dtype=torch.int64)
+            logits = self.graphs.run(packed.to(self.device, non_blocking=True), self.scheduler.block_table.table)
+        else:
+            input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
+            logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+        t_forward = time.perf_counter()
         tokens = self._sample(logits, reqs)
         now = time.perf_counter()
         phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
-        record = (self._record(t_start, now, sched, phases, meta.slot_mapping.shape[0])
+        num_tokens = sum(r.num_tokens - r.num_computed for r in reqs)
+        record = (self._record(t_start, now, sched, phases, num_tokens)
                   if self.trace is not None else None)
         finished = []
         for r, tok in zip(reqs, tokens):
@@ -196,6 +211,12 @@ class Engine:
             record.emitted = {r.request_id: tok for r, tok in zip(reqs, tokens)}
             record.finished = [r.request_id for r in finished]
             self.trace.append(record)
+        tm = self.timing
+        tm["schedule"] += t_packed - t_start
+        tm["pack"] += t_forward - t_packed      # includes the forward's launches (async on CUDA)
+        tm["forward_sample"] += now - t_forward # waits for the device: the step's one sync
+        tm["update"] += time.perf_counter() - now
+        tm["steps"] += 1
         return finished
 
     def _stop_reason(self, r: Request, tok: int) -> str | None:

@@ -77,7 +77,10 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype=torch.float32, device="cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.data = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+        # One extra "null" block past the pool that no request ever owns: padded rows of a
+        # CUDA-graph batch write and read there.
+        self.null_block = num_blocks
+        self.data = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
         self.k = [self.data[i, 0] for i in range(num_layers)]
         self.v = [self.data[i, 1] for i in range(num_layers)]
@@ -87,5 +90,5 @@ class KVCache:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
-    def num_bytes(self) -> int:
+    def num_bytes(self) -> int:  # the whole allocation, null block included
         return self.data.numel() * self.data.element_size()

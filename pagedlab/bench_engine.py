@@ -1,0 +1,224 @@
+"""`python -m pagedlab bench engine`: pagedlab against transformers on two workloads, same process.
+
+  one stream : 1 request, 128-token prompt, 256 new tokens (EOS ignored)
+  offline    : 256 requests, prompt and output lengths uniform in [100, 1024] (seed 0, EOS ignored);
+               output tokens / wall time, prefill included
+
+Prints one table (tokens/s, ratio to transformers, TTFT and inter-token latency percentiles,
+fraction of the weight-bandwidth floor) and writes JSON + a plot. Default model: the
+Llama-3.2-1B config with random bf16 weights (no hub needed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def percentiles(xs, ps=(50, 90, 99)):
+    if not xs:
+        return {p: float("nan") for p in ps}
+    t = torch.tensor(xs, dtype=torch.float64)
+    return {p: float(t.quantile(p / 100)) for p in ps}
+
+
+def copy_bandwidth(device) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read + written (median of do_bench)."""
+    from triton.testing import do_bench
+    n = 1 << 29                                          # 1 GiB of bf16 per buffer
+    a = torch.randn(n // 2, device=device, dtype=torch.float32).view(torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * a.numel() * a.element_size() / (ms * 1e-3)
+
+
+def offline_workload(n=256, lo=100, hi=1024, vocab=128000, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p_lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    o_lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p in p_lens]
+    return prompts, o_lens
+
+
+def run_pagedlab(llm, prompts, out_lens):
+    from .sampling import SamplingParams
+    eng = llm.engine
+    for k in eng.timing:
+        eng.timing[k] = 0 if k == "steps" else 0.0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in out_lens])
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o.token_ids) for o in outs)
+    assert n_out == sum(out_lens)
+    itl = [x for o in outs for x in o.itl_s]
+    return dict(tokens=n_out, wall_s=wall, tokens_per_s=n_out / wall,
+                ttft_ms={k: v * 1e3 for k, v in percentiles([o.ttft_s for o in outs]).items()},
+                itl_ms={k: v * 1e3 for k, v in percentiles(itl).items()},
+                host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()})
+
+
+def run_hf_generate(model, prompt, new_tokens):
+    ids = torch.tensor([prompt], device="cuda")
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)      # warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n = out.shape[1] - len(prompt)
+    return dict(tokens=n, wall_s=wall, tokens_per_s=n / wall)
+
+
+def run_hf_generate_batch(model, prompts, new_tokens):
+    from transformers import GenerationConfig
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    res = model.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n = sum(len(r.generated_tokens) for r in res.values())
+    return dict(tokens=n, wall_s=wall, tokens_per_s=n / wall, note=f"{len(prompts)} requests x {new_tokens} new tokens")
+
+
+def fmt_row(name, r, ref=None, floor_tps=None):
+    if r is None or "error" in r:
+        return f"| {name} | {'failed: ' + r['error'] if r else 'not run'} | | | | |"
+    ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.1f}x" if ref and "tokens_per_s" in ref else ""
+    lat = ""
+    if "ttft_ms" in r:
+        t, i = r["ttft_ms"], r["itl_ms"]
+        lat = (f"TTFT {t[50]:.1f} / {t[90]:.1f} / {t[99]:.1f} ms; "
+               f"ITL {i[50]:.2f} / {i[90]:.2f} / {i[99]:.2f} ms")
+    floor = f"{r['tokens_per_s'] / floor_tps:.2f}" if floor_tps else ""
+    return f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {lat} | {floor} | {r['wall_s']:.2f} s |"
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, wl in zip(axes, ("one_stream", "offline")):
+        names, vals, colors = [], [], []
+        for key, label, color in (("pagedlab", "pagedlab", "tab:blue"), ("hf_generate", "transformers\ngenerate", "tab:gray"),
+                                  ("hf_generate_batch", "transformers\ngenerate_batch", "tab:olive")):
+            r = results[wl].get(key)
+            if r and "tokens_per_s" in r:
+                names.append(label)
+                vals.append(r["tokens_per_s"])
+                colors.append(color)
+        ax.bar(names, vals, color=colors)
+        for x, v in enumerate(vals):
+            ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom")
+        if wl == "one_stream" and results.get("floor_tokens_per_s"):
+            ax.axhline(results["floor_tokens_per_s"], ls="--", color="k", lw=1)
+            ax.text(len(vals) - 0.5, results["floor_tokens_per_s"], " weight-bandwidth limit", va="bottom", ha="right")
+        ax.set_title({"one_stream": "one stream (128-token prompt, 256 new)",
+                      "offline": "offline: 256 requests, lengths U[100, 1024]"}[wl])
+        ax.set_ylabel("output tokens / s")
+    fig.suptitle(results["device_line"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m pagedlab bench engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-3.2-1b")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--slots", type=int, default=256)
+    p.add_argument("--hf-batch-requests", type=int, default=256,
+                   help="requests given to transformers' generate_batch (fewer saves time)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--out", default="figures", help="where engine_bench.json/.png go")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench engine needs a CUDA GPU")
+
+    import transformers
+    import triton
+
+    from .llm import LLM
+    from .reference import hf_model
+    from .weights import load_checkpoint
+
+    dev = torch.device("cuda")
+    ckpt = load_checkpoint(args.model, show_progress=False)
+    bw = copy_bandwidth(dev)
+    prompts, out_lens = offline_workload(args.requests)
+    need = max(len(a) + b for a, b in zip(prompts, out_lens))
+    t0 = time.perf_counter()
+    llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=args.slots,
+              max_model_len=max(need + 16, 2048), show_progress=False)
+    setup_s = time.perf_counter() - t0
+    weight_bytes = llm.model.num_bytes()
+    floor_tps = bw / weight_bytes
+    results = dict(
+        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=triton.__version__, transformers=transformers.__version__, python=platform.python_version(),
+        model=ckpt.source, copy_bandwidth_TBps=bw / 1e12, weight_GB=weight_bytes / 1e9,
+        floor_tokens_per_s=floor_tps, engine_setup_s=setup_s,
+        kv_pool_blocks=llm.engine.kv_cache.num_blocks, one_stream={}, offline={})
+    results["device_line"] = (f"{results['device']}, torch {results['torch']}, triton {results['triton']}, "
+                              f"transformers {results['transformers']}, {results['date']}")
+
+    g = torch.Generator().manual_seed(1)
+    stream_prompt = torch.randint(0, 128000, (128,), generator=g).tolist()
+    run_pagedlab(llm, [stream_prompt], [16])                                   # warm up
+    results["one_stream"]["pagedlab"] = run_pagedlab(llm, [stream_prompt], [256])
+    results["offline"]["pagedlab"] = run_pagedlab(llm, prompts, out_lens)
+    print(json.dumps({k: results[k] for k in ("one_stream", "offline")}, indent=1), flush=True)
+    del llm
+    torch.cuda.empty_cache()
+
+    if not args.no_hf:
+        hf = hf_model(ckpt, torch.bfloat16, "cuda")
+        try:
+            results["one_stream"]["hf_generate"] = run_hf_generate(hf, stream_prompt, 256)
+        except Exception as e:                                    # report, don't hide
+            results["one_stream"]["hf_generate"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+        mean_out = round(sum(out_lens) / len(out_lens))
+        k = args.hf_batch_requests
+        try:
+            hf.set_attn_implementation("sdpa_paged") if hasattr(hf, "set_attn_implementation") else None
+        except Exception:
+            pass
+        try:
+            results["offline"]["hf_generate_batch"] = run_hf_generate_batch(hf, prompts[:k], mean_out)
+        except Exception as e:
+            results["offline"]["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_bench.json").write_text(json.dumps(results, indent=1))
+    plot(results, out / "engine_bench.png")
+    os_, off = results["one_stream"], results["offline"]
+    lines = [
+        f"device: {results['device_line']}; model: {results['model']}",
+        f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); weights {weight_bytes / 1e9:.3f} GB -> "
+        f"one decode step >= {weight_bytes / bw * 1e3:.3f} ms, one stream <= {floor_tps:,.0f} tokens/s",
+        "",
+        "| workload / engine | tokens/s | vs transformers | latency p50 / p90 / p99 | of floor | wall |",
+        "|---|---|---|---|---|---|",
+        fmt_row("one stream: pagedlab", os_["pagedlab"], os_.get("hf_generate"), floor_tps),
+        fmt_row("one stream: transformers generate", os_.get("hf_generate")),
+        fmt_row("offline: pagedlab", off["pagedlab"], off.get("hf_generate_batch")),
+        fmt_row("offline: transformers generate_batch", off.get("hf_generate_batch")),
+        "",
+        f"host time per step (s, summed): one stream {os_['pagedlab']['host_timing']}, "
+        f"offline {off['pagedlab']['host_timing']}",
+    ]
+    (out / "engine_bench.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
