@@ -269,7 +269,7 @@ def plot(sweep, prefill_rows, copy_bw, out_dir):
                 ax.plot(xs, ys, style, marker="o", ms=3,
                         label="SDPA contiguous" if name == "sdpa" else name,
                         color="black" if name == "sdpa" else None)
-        ax.axhline(copy_bw / 2, color="gray", lw=0.8, ls="--", label="copy BW (read only)")
+        ax.axhline(copy_bw, color="gray", lw=0.8, ls="--", label="copy BW (read + write)")
         ax.set_xscale("log", base=2)
         ax.set_title(f"batch {b}")
         ax.set_xlabel("context (tokens)")
@@ -307,6 +307,13 @@ PREFILL_TUNE_CONFIGS = {
     f"cfg_m{m}_n{n}_w{w}_s{s}": {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
     for m, n, w, s in [(128, 64, 4, 3), (128, 64, 8, 4), (128, 32, 4, 3), (64, 64, 4, 4)]
 }
+
+
+def replot(json_path, out_dir):
+    """Redraw the figures from a saved kernels_bench.json (no GPU needed)."""
+    with open(json_path) as f:
+        d = json.load(f)
+    plot(d["sweep"] or d["table"], d["prefill"], d["meta"]["copy_bw_tbs"], out_dir)
 
 
 def main(argv=None):
