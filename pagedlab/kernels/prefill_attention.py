@@ -23,8 +23,6 @@ prefill_attention_torch is the reference; prefill_attention_triton has the same 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
