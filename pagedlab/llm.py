@@ -47,8 +47,11 @@ def make_tokenizer(ckpt):
         try:
             return Llama3Tokenizer()
         except FileNotFoundError:
-            if ckpt.tokenizer_dir is None:
-                raise
+            if ckpt.tokenizer_dir is None:      # random weights: any tokenizer will do
+                import warnings
+                warnings.warn("llama-models is not installed: random Llama 3 weights get a byte "
+                              "tokenizer (pip install --no-deps llama-models for the real one)")
+                return ByteTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids)
     if ckpt.gguf_file:
         return HFTokenizer(ckpt.tokenizer_dir, gguf_file=ckpt.gguf_file)
     if ckpt.tokenizer_dir:
