@@ -1,0 +1,29 @@
+# Solutions to notebook 09. Run from the notebook (uses MODEL, ckpt, prompts, params).
+from pagedlab.llm import make_output
+
+# 1. Late arrivals.
+e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt)
+eng = e.engine
+early = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+late, step, rest = [], 0, list(zip(prompts[4:], params[4:]))
+while eng.has_work() or rest:
+    if rest and step % 5 == 0:
+        late.append(eng.add_request(*rest.pop(0)))
+    eng.step()
+    step += 1
+res = {rid: make_output(r, e.tokenizer) for rid, r in eng.requests.items()}
+avg = lambda ids: sum(res[i].ttft_s for i in ids) / len(ids) * 1e3
+print(f"TTFT: queued at start {avg(early):.0f} ms, late arrivals {avg(late):.0f} ms")
+# A late request waits only for a free slot (continuous batching), not for a whole batch.
+
+# 2. Seeded sampling is independent of the batch.
+sp = SamplingParams(max_new_tokens=8, temperature=0.8, seed=1234, ignore_eos=True)
+alone = LLM(MODEL, max_num_seqs=1, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate([prompts[0]], sp)[0].token_ids
+batched = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate(
+    [prompts[1], prompts[0], prompts[2]], [params[1], sp, params[2]])[1].token_ids
+print(alone, batched)
+# The noise is a hash of (seed, position, token id): it does not depend on the batch, the slot or
+# the step. (In bf16 on a GPU, batching can still change the logits' last bits, and a near-tie may
+# flip; in fp32 on the CPU the tokens match.)
+if e.engine.dtype == torch.float32:
+    assert alone == batched
