@@ -96,17 +96,29 @@ def test_greedy_tokens_vs_transformers(ckpt, hf_fp32, prompts):
     assert total_exact >= 0.9 * NEW_TOKENS * len(prompts)
 
 
-def test_triton_engine_equals_torch_engine(ckpt, prompts):
-    """Same greedy tokens from the Triton kernels and the torch backend, with several requests
-    sharing slots and a small pool (slot refill and block reuse happen)."""
+def test_triton_engine_equals_torch_engine(ckpt, hf_fp32, prompts):
+    """Same greedy tokens from the Triton kernels (CUDA graphs) and the torch backend (eager), with
+    more requests than slots (slot refill and block reuse happen). Two bf16 paths can part ways
+    only where the reference itself sees a near-tie: at the first difference, both tokens must be
+    within bf16 noise of each other in the fp32 reference, and both continuations must stay greedy."""
     from pagedlab import SamplingParams
     sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     outs = {}
     for backend in ("torch", "triton"):
         llm = make_llm(ckpt, backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
-    hf_fp32 = None
-    for a, b in zip(outs["torch"], outs["triton"]):
+        del llm
+    identical = 0
+    for ids, a, b in zip(prompts, outs["torch"], outs["triton"]):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS)
-        print(f"triton vs torch backend: identical for {same}/{NEW_TOKENS} tokens")
-    assert outs["torch"] == outs["triton"]
+        identical += same == NEW_TOKENS
+        print(f"triton vs torch backend, prompt of {len(ids)}: identical for {same}/{NEW_TOKENS} tokens")
+        if same < NEW_TOKENS:
+            with torch.no_grad():
+                ref = hf_fp32(torch.tensor([ids + a[:same]], device="cuda")).logits[0, -1].float()
+            gap = abs(ref[a[same]] - ref[b[same]]).item()
+            print(f"   first difference at {same}: fp32 reference logit gap {gap:.4f} between the two tokens")
+            assert gap < 0.15, "the backends disagree where the reference is not a near-tie"
+            greedy_agrees(ids, a, hf_fp32, tol=0.15)
+            greedy_agrees(ids, b, hf_fp32, tol=0.15)
+    assert identical >= len(prompts) // 2

@@ -13,18 +13,18 @@ from pagedlab.weights import random_checkpoint
 
 def full_logits(model, ids, block_size=16, num_blocks=64, shuffle_seed=0):
     """All-position logits of one sequence through the paged prefill path (shuffled blocks)."""
-    c = model.config
-    cache = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, model.device)
+    c, dev = model.config, model.device
+    cache = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, model.dtype, dev)
     nb = -(-len(ids) // block_size)
-    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(shuffle_seed))[:nb]
-    pos = torch.arange(len(ids))
+    blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(shuffle_seed))[:nb].to(dev)
+    pos = torch.arange(len(ids), device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
     meta = AttentionMetadata(
         slot_mapping=blocks[pos // block_size] * block_size + pos % block_size, num_prefill_tokens=len(ids),
-        prefill_block_table=blocks[None].int(), cu_seqlens_q=torch.tensor([0, len(ids)], dtype=torch.int32),
-        prefill_seq_lens=torch.tensor([len(ids)], dtype=torch.int32), max_q_len=len(ids),
-        decode_block_table=torch.zeros(0, nb, dtype=torch.int32), decode_seq_lens=torch.zeros(0, dtype=torch.int32),
-        max_seq_len=0)
-    return model.forward(torch.tensor(ids), pos, cache, meta)
+        prefill_block_table=blocks[None].int(), cu_seqlens_q=torch.tensor([0, len(ids)], **i32),
+        prefill_seq_lens=torch.tensor([len(ids)], **i32), max_q_len=len(ids),
+        decode_block_table=torch.zeros(0, nb, **i32), decode_seq_lens=torch.zeros(0, **i32), max_seq_len=0)
+    return model.forward(torch.tensor(ids, device=dev), pos, cache, meta)
 
 
 def rel(a, b):
