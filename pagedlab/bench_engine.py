@@ -88,6 +88,42 @@ def run_hf_generate_batch(model, prompts, new_tokens):
     return dict(tokens=n, wall_s=wall, tokens_per_s=n / wall, note=f"{len(prompts)} requests x {new_tokens} new tokens")
 
 
+def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
+    """Kernel-time breakdown of decode steps at `batch` sequences of ~`context` tokens (torch
+    profiler over graph replays). Returns {kernel name: us per step} and the wall time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from .sampling import SamplingParams
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        eng.add_request(torch.randint(0, 128000, (context,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=steps * 3 + 8, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.num_computed == 0 for r in eng.scheduler.admitted):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    wall = (time.perf_counter() - t0) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
+            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+            if t:
+                per[e.key[:60]] = per.get(e.key[:60], 0) + t / steps
+    eng.run()
+    return dict(batch=batch, context=context, wall_ms=wall * 1e3,
+                kernel_us=dict(sorted(per.items(), key=lambda kv: -kv[1])),
+                kernel_total_us=sum(per.values()))
+
+
 def fmt_row(name, r, ref=None, floor_tps=None):
     if r is None or "error" in r:
         return f"| {name} | {'failed: ' + r['error'] if r else 'not run'} | | | | |"
@@ -139,6 +175,7 @@ def main(argv=None):
                    help="requests given to transformers' generate_batch (fewer saves time)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--out", default="figures", help="where engine_bench.json/.png go")
+    p.add_argument("--profile", action="store_true", help="only a kernel breakdown of decode steps")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench engine needs a CUDA GPU")
@@ -170,6 +207,16 @@ def main(argv=None):
     results["device_line"] = (f"{results['device']}, torch {results['torch']}, triton {results['triton']}, "
                               f"transformers {results['transformers']}, {results['date']}")
 
+    if args.profile:
+        prof = [profile_decode(llm, b, c) for b, c in ((1, 256), (64, 1024), (256, 1024))]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "engine_profile.json").write_text(json.dumps(prof, indent=1))
+        for r in prof:
+            print(f"\nbatch {r['batch']} context {r['context']}: {r['wall_ms']:.3f} ms/step wall, "
+                  f"{r['kernel_total_us']:.0f} us/step of kernels")
+            for k, v in list(r["kernel_us"].items())[:14]:
+                print(f"  {v:8.1f} us  {k}")
+        return
     g = torch.Generator().manual_seed(1)
     stream_prompt = torch.randint(0, 128000, (128,), generator=g).tolist()
     run_pagedlab(llm, [stream_prompt], [16])                                   # warm up
