@@ -62,7 +62,8 @@ class Engine:
                                 self.dtype, self.device)
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs,
                                    blocks_needed(self.max_model_len, cfg.block_size),
-                                   cfg.max_num_batched_tokens, cfg.policy, self.device)
+                                   cfg.max_num_batched_tokens, cfg.policy, self.device,
+                                   null_block=self.kv_cache.null_block)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks) if cfg.trace else None
         self._next_id = 0
@@ -74,8 +75,8 @@ class Engine:
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             from .cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table.shape[1],
-                                       self.max_model_len, min(cfg.max_num_seqs, 512), self.kv_cache.null_block)
+            self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table,
+                                       self.max_model_len, min(cfg.max_num_seqs, 512))
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
@@ -157,10 +158,20 @@ class Engine:
             max_seq_len=max(d_lens, default=0))
         return ids_t, positions, meta, rows_t
 
-    def _sample(self, logits, reqs: list[Request]) -> list[int]:
+    def _graph_rows(self, reqs: list[Request], b: int) -> torch.Tensor:
+        """Host rows for a graph replay: token, position, KV slot, length, slot; padded to b."""
+        bs = self.config.block_size
+        rows = []
+        for r in reqs:
+            n = r.num_tokens
+            rows.append((r.last_token_id, n - 1, r.blocks[(n - 1) // bs] * bs + (n - 1) % bs, n, r.slot))
+        rows += [self.graphs.padding_row()] * (b - len(reqs))
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def _sample(self, logits, reqs: list[Request], greedy=None) -> list[int]:
         ps = [r.params for r in reqs]
         if all(p.greedy for p in ps):
-            tokens = logits.argmax(dim=-1)
+            tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(reqs)]
         else:
             dev = logits.device
             tokens = sample(
@@ -183,15 +194,16 @@ class Engine:
             return []
         reqs = sched.prefill + sched.decode
         t_packed = time.perf_counter()
-        if not sched.prefill and self.graphs is not None and self.graphs.can_run(len(reqs)):
-            packed = torch.tensor([[r.last_token_id for r in reqs], [r.num_tokens for r in reqs],
-                                   [r.slot for r in reqs]], dtype=torch.int64)
-            logits = self.graphs.run(packed.to(self.device, non_blocking=True), self.scheduler.block_table.table)
+        b = self.graphs.batch_size(len(reqs)) if self.graphs is not None and not sched.prefill else None
+        if b is not None:
+            logits, greedy = self.graphs.run(self._graph_rows(reqs, b))
+            logits = logits[:len(reqs)]
         else:
             input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+            greedy = None
         t_forward = time.perf_counter()
-        tokens = self._sample(logits, reqs)
+        tokens = self._sample(logits, reqs, greedy)
         now = time.perf_counter()
         phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
         num_tokens = sum(r.num_tokens - r.num_computed for r in reqs)

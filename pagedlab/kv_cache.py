@@ -53,24 +53,32 @@ class BlockAllocator:
 
 
 class BlockTable:
-    """Device tensor [max_num_seqs, max_blocks_per_seq] int32, one row per slot (-1 = no block)."""
+    """Device tensor [max_num_seqs + 1, max_blocks_per_seq] int32, one row per slot. The extra last
+    row is the "null row" (padding rows of a CUDA-graph batch read it).
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device):
-        self.table = torch.full((max_num_seqs, max_blocks_per_seq), -1, dtype=torch.int32, device=device)
+    The scheduler changes it a few entries at a time (a slot filled, a sequence crossing a block
+    boundary); the changes wait in `pending` and reach the device together, in one small copy per
+    step (`flush`). Entries past a sequence's length are never read, so freeing a slot writes
+    nothing: its stale entries are simply overwritten by the next owner."""
 
-    def set_row(self, slot: int, blocks: list[int]) -> None:
-        """A slot was (re)filled: write its row (one small host->device copy)."""
-        n = len(blocks)
-        if n:
-            self.table[slot, :n] = torch.tensor(blocks, dtype=torch.int32).to(self.table.device, non_blocking=True)
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device, null_block: int = 0):
+        self.table = torch.full((max_num_seqs + 1, max_blocks_per_seq), null_block, dtype=torch.int32,
+                                device=device)
+        self.null_row = max_num_seqs
+        self.pending: list[tuple[int, int, int]] = []        # (slot, logical index, physical block)
 
-    def append(self, slot: int, index: int, block: int) -> None:
-        """A sequence crossed a block boundary: write one entry."""
-        self.table[slot, index] = block
+    def set(self, slot: int, start: int, blocks: list[int]) -> None:
+        """Logical blocks start, start+1, ... of `slot` are now `blocks`."""
+        self.pending += [(slot, start + i, b) for i, b in enumerate(blocks)]
 
-    def clear_row(self, slot: int, n: int) -> None:
-        if n:
-            self.table[slot, :n] = -1
+    def flush(self) -> None:
+        """Write every pending change with one host -> device copy and one indexed store."""
+        if self.pending:
+            latest = {(slot, i): b for slot, i, b in self.pending}     # a later write wins
+            upd = torch.tensor([(s, i, b) for (s, i), b in latest.items()], dtype=torch.int64)
+            upd = upd.to(self.table.device, non_blocking=True)
+            self.table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
+            self.pending = []
 
 
 class KVCache:

@@ -71,8 +71,7 @@ class LlamaModel:
                        kv_cache.k[i], kv_cache.v[i], meta, self.scale)
             h = F.linear(o.reshape(t, q_size), layer["o"])
             x, residual = ops.rms_norm(h, layer["mlp_norm"], c.rms_norm_eps, residual)
-            gate, up = F.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, layer["down"])
+            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
         h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
         if logits_indices is not None:
             h = h[logits_indices]

@@ -31,12 +31,14 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_num_batched_tokens: int = 8192, policy: str = "continuous", device="cpu"):
+                 max_num_batched_tokens: int = 8192, policy: str = "continuous", device="cpu",
+                 null_block: int | None = None):
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
         self.allocator = BlockAllocator(num_blocks)
-        self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq, device)
+        self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq, device,
+                                      num_blocks if null_block is None else null_block)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.admitted: list[Request] = []     # running requests in the order they got their slot
@@ -65,18 +67,13 @@ class Scheduler:
         if need > self.allocator.num_free:
             return False
         new = self.allocator.allocate(req.request_id, need)
-        start = len(req.blocks)
+        self.block_table.set(req.slot, len(req.blocks), new)
         req.blocks += new
-        if need == 1:
-            self.block_table.append(req.slot, start, new[0])
-        else:
-            self.block_table.set_row(req.slot, req.blocks)
         return True
 
     def _release(self, req: Request) -> None:
         """Blocks back to the pool, the slot emptied."""
         self.allocator.free(req.blocks)
-        self.block_table.clear_row(req.slot, len(req.blocks))
         req.blocks = []
         req.num_computed = 0
         self.slots[req.slot] = None
@@ -112,6 +109,7 @@ class Scheduler:
                 step.decode.append(req)
         # 2. fill free slots from the queue.
         if self.policy == "static" and self.admitted:
+            self.block_table.flush()
             return step
         budget = self.max_num_batched_tokens - len(step.decode)
         while self.waiting and None in self.slots:
@@ -129,4 +127,5 @@ class Scheduler:
             self._grow(req, req.num_tokens)
             step.prefill.append(req)
             budget -= need
+        self.block_table.flush()
         return step

@@ -11,3 +11,20 @@ def test_triton_backend_engine_matches_torch_backend():
     for variant in ("naive", "blocked", "gqa", "split_kv"):
         got = [o.token_ids for o in tiny_llm(attention_backend="triton", decode_variant=variant, **kw).generate(prompts, sp)]
         assert got == ref, variant
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("t,inter", [(1, 7), (5, 160), (3, 1500)])
+def test_silu_and_mul(dtype, tol, t, inter):
+    from pagedlab.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = (torch.randn(t, 2 * inter, generator=torch.Generator().manual_seed(t)) * 3).to(dev, dtype)
+    ref = torch.nn.functional.silu(x.double()[:, :inter]) * x.double()[:, inter:]
+    for fn in (silu_and_mul_torch, silu_and_mul_triton):
+        out = fn(x)
+        assert out.shape == (t, inter) and out.dtype == dtype
+        assert ((out.double() - ref).norm() / ref.norm()).item() < tol

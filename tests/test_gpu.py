@@ -59,7 +59,9 @@ def test_logits_vs_transformers_bf16(ckpt, hf_fp32, prompts, backend):
         e_ours, e_theirs = rel(ours, ref), rel(theirs, ref)
         print(f"[{backend}] len {len(ids)}: rel err vs fp32 reference: pagedlab bf16 {e_ours:.2e}, "
               f"transformers bf16 {e_theirs:.2e}")
-        assert e_ours < 1e-2 and e_ours < 2 * e_theirs + 1e-3
+        # bf16 tolerance = what transformers itself gets in bf16 on the same weights (~1.8e-2 on
+        # this random full-size model, measured 2026-11-29); pagedlab must not be worse.
+        assert e_ours < 1.1 * e_theirs + 1e-3
     del hf_bf16
 
 
@@ -96,29 +98,37 @@ def test_greedy_tokens_vs_transformers(ckpt, hf_fp32, prompts):
     assert total_exact >= 0.9 * NEW_TOKENS * len(prompts)
 
 
-def test_triton_engine_equals_torch_engine(ckpt, hf_fp32, prompts):
-    """Same greedy tokens from the Triton kernels (CUDA graphs) and the torch backend (eager), with
-    more requests than slots (slot refill and block reuse happen). Two bf16 paths can part ways
-    only where the reference itself sees a near-tie: at the first difference, both tokens must be
-    within bf16 noise of each other in the fp32 reference, and both continuations must stay greedy."""
-    from pagedlab import SamplingParams
-    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = {}
-    for backend in ("torch", "triton"):
-        llm = make_llm(ckpt, backend)
-        outs[backend] = [o.token_ids for o in llm.generate(prompts, sp)]
-        del llm
+def compare_greedy(name, prompts, outs_a, outs_b, hf_fp32):
+    """Two bf16 paths may part ways only where the reference itself sees a near-tie: at the first
+    difference, both tokens must be within bf16 noise in the fp32 reference, and both
+    continuations must stay greedy. Returns how many sequences are identical."""
     identical = 0
-    for ids, a, b in zip(prompts, outs["torch"], outs["triton"]):
+    for ids, a, b in zip(prompts, outs_a, outs_b):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), NEW_TOKENS)
         identical += same == NEW_TOKENS
-        print(f"triton vs torch backend, prompt of {len(ids)}: identical for {same}/{NEW_TOKENS} tokens")
+        print(f"{name}, prompt of {len(ids)}: identical for {same}/{NEW_TOKENS} tokens")
         if same < NEW_TOKENS:
             with torch.no_grad():
                 ref = hf_fp32(torch.tensor([ids + a[:same]], device="cuda")).logits[0, -1].float()
             gap = abs(ref[a[same]] - ref[b[same]]).item()
             print(f"   first difference at {same}: fp32 reference logit gap {gap:.4f} between the two tokens")
-            assert gap < 0.15, "the backends disagree where the reference is not a near-tie"
+            assert gap < 0.15, "the paths disagree where the reference is not a near-tie"
             greedy_agrees(ids, a, hf_fp32, tol=0.15)
             greedy_agrees(ids, b, hf_fp32, tol=0.15)
-    assert identical >= len(prompts) // 2
+    return identical
+
+
+def test_triton_graphs_vs_torch_eager_vs_triton_eager(ckpt, hf_fp32, prompts):
+    """The engine on Triton kernels with CUDA graphs, the Triton kernels without graphs, and the
+    torch backend without graphs, with more requests than slots (slot refill, block reuse)."""
+    from pagedlab import SamplingParams
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = {}
+    for name, backend, graphs in (("triton+graphs", "triton", True), ("triton eager", "triton", False),
+                                  ("torch eager", "torch", False)):
+        llm = make_llm(ckpt, backend, cuda_graphs=graphs)
+        outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]
+        del llm
+    n1 = compare_greedy("triton graphs vs triton eager", prompts, outs["triton+graphs"], outs["triton eager"], hf_fp32)
+    n2 = compare_greedy("triton graphs vs torch eager", prompts, outs["triton+graphs"], outs["torch eager"], hf_fp32)
+    assert n1 >= len(prompts) // 2 and n2 >= len(prompts) // 2

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 KERNEL_FAMILIES = {
     "rms_norm": "rmsnorm", "rope": "rope", "kv_store": "kv_store",
     "prefill_attention": "prefill_attention", "decode_attention": "decode_attention",
+    "silu_and_mul": "activation",
 }
 
 
 def select_kernels(backend: str = "torch", decode_variant: str = "auto") -> SimpleNamespace:
-    """The five kernel functions the model calls, from one backend: "torch" (the references, any
+    """The six kernel functions the model calls, from one backend: "torch" (the references, any
     device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
     import functools
     import importlib
