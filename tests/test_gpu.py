@@ -36,6 +36,23 @@ def make_llm(ckpt, backend, **kw):
                max_num_seqs=4, num_blocks=2048, show_progress=False, **kw)
 
 
+@pytest.fixture(scope="module")
+def bf16_tol(ckpt, hf_fp32, prompts):
+    """How far bf16 rounding moves a logit: 2 x the 99.99th percentile of |transformers bf16 -
+    transformers fp32| over every logit of two prompts (two bf16 paths each move that much).
+    Two greedy bf16 paths may only choose differently between tokens closer than this."""
+    hf_bf16 = hf_model(ckpt, torch.bfloat16, "cuda")
+    diffs = []
+    for ids in prompts[:2]:
+        x = torch.tensor([ids], device="cuda")
+        with torch.no_grad():
+            diffs.append((hf_bf16(x).logits[0].float() - hf_fp32(x).logits[0].float()).abs().flatten())
+    d = torch.cat(diffs)
+    tol = 2 * d.float().quantile(0.9999).item() if d.numel() < 2**24 else 2 * d.kthvalue(int(d.numel() * 0.9999)).values.item()
+    print(f"bf16 logit noise: 99.99th percentile {tol / 2:.4f} -> near-tie tolerance {tol:.4f}")
+    return tol
+
+
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -79,7 +96,7 @@ def greedy_agrees(ids, tokens, ref_model, tol):
     return exact, int((gap > 0).sum())
 
 
-def test_greedy_tokens_vs_transformers(ckpt, hf_fp32, prompts):
+def test_greedy_tokens_vs_transformers(ckpt, hf_fp32, prompts, bf16_tol):
     from pagedlab import SamplingParams
     llm = make_llm(ckpt, "triton")
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
@@ -91,14 +108,14 @@ def test_greedy_tokens_vs_transformers(ckpt, hf_fp32, prompts):
             ref = hf_bf16.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW_TOKENS,
                                    do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
         same = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), NEW_TOKENS)
-        exact, ties = greedy_agrees(ids, o.token_ids, hf_fp32, tol=0.15)
+        exact, ties = greedy_agrees(ids, o.token_ids, hf_fp32, tol=bf16_tol)
         total_exact += exact
         print(f"prompt {len(ids):3d} tokens: identical to transformers bf16 generate for {same}/{NEW_TOKENS}; "
               f"argmax of the fp32 reference at {exact}/{NEW_TOKENS} (near-ties elsewhere: {ties})")
     assert total_exact >= 0.9 * NEW_TOKENS * len(prompts)
 
 
-def compare_greedy(name, prompts, outs_a, outs_b, hf_fp32):
+def compare_greedy(name, prompts, outs_a, outs_b, hf_fp32, tol):
     """Two bf16 paths may part ways only where the reference itself sees a near-tie: at the first
     difference, both tokens must be within bf16 noise in the fp32 reference, and both
     continuations must stay greedy. Returns how many sequences are identical."""
@@ -112,13 +129,13 @@ def compare_greedy(name, prompts, outs_a, outs_b, hf_fp32):
                 ref = hf_fp32(torch.tensor([ids + a[:same]], device="cuda")).logits[0, -1].float()
             gap = abs(ref[a[same]] - ref[b[same]]).item()
             print(f"   first difference at {same}: fp32 reference logit gap {gap:.4f} between the two tokens")
-            assert gap < 0.15, "the paths disagree where the reference is not a near-tie"
-            greedy_agrees(ids, a, hf_fp32, tol=0.15)
-            greedy_agrees(ids, b, hf_fp32, tol=0.15)
+            assert gap < tol, "the paths disagree where the reference is not a near-tie"
+            greedy_agrees(ids, a, hf_fp32, tol=tol)
+            greedy_agrees(ids, b, hf_fp32, tol=tol)
     return identical
 
 
-def test_triton_graphs_vs_torch_eager_vs_triton_eager(ckpt, hf_fp32, prompts):
+def test_triton_graphs_vs_torch_eager_vs_triton_eager(ckpt, hf_fp32, prompts, bf16_tol):
     """The engine on Triton kernels with CUDA graphs, the Triton kernels without graphs, and the
     torch backend without graphs, with more requests than slots (slot refill, block reuse)."""
     from pagedlab import SamplingParams
@@ -129,6 +146,6 @@ def test_triton_graphs_vs_torch_eager_vs_triton_eager(ckpt, hf_fp32, prompts):
         llm = make_llm(ckpt, backend, cuda_graphs=graphs)
         outs[name] = [o.token_ids for o in llm.generate(prompts, sp)]
         del llm
-    n1 = compare_greedy("triton graphs vs triton eager", prompts, outs["triton+graphs"], outs["triton eager"], hf_fp32)
-    n2 = compare_greedy("triton graphs vs torch eager", prompts, outs["triton+graphs"], outs["torch eager"], hf_fp32)
+    n1 = compare_greedy("triton graphs vs triton eager", prompts, outs["triton+graphs"], outs["triton eager"], hf_fp32, bf16_tol)
+    n2 = compare_greedy("triton graphs vs torch eager", prompts, outs["triton+graphs"], outs["torch eager"], hf_fp32, bf16_tol)
     assert n1 >= len(prompts) // 2 and n2 >= len(prompts) // 2
