@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from . import viz  # noqa: E402
+from . import course, viz  # noqa: E402
 from .kv_cache import blocks_needed  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def run_trace(slots: int, policy: str = "continuous", num_blocks: int | None = N
     from .llm import LLM
     llm = LLM("random:tiny", device="cpu", max_num_seqs=slots, policy=policy, num_blocks=num_blocks,
               block_size=block_size, trace=True, show_progress=False, attention_backend="torch")
-    prompts, params = viz.toy_workload(n, seed=seed, **workload)
+    prompts, params = course.toy_workload(n, seed=seed, **workload)
     outs = llm.generate(prompts, params)
     return llm.trace, outs, prompts, params
 

@@ -8,29 +8,29 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from pagedlab import LLM, viz  # noqa: E402
+from pagedlab import LLM, course, viz  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trace():
     llm = LLM("random:tiny", device="cpu", max_num_seqs=3, num_blocks=10, trace=True,
               show_progress=False, attention_backend="torch")
-    prompts, params = viz.toy_workload(6, prompt_len=(10, 30), new_tokens=(10, 30), seed=3)
+    prompts, params = course.toy_workload(6, prompt_len=(10, 30), new_tokens=(10, 30), seed=3)
     llm.generate(prompts, params)
     return llm.trace
 
 
 def test_toy_workload_is_deterministic():
-    a, b = viz.toy_workload(5, seed=7), viz.toy_workload(5, seed=7)
+    a, b = course.toy_workload(5, seed=7), course.toy_workload(5, seed=7)
     assert a[0] == b[0] and [p.max_new_tokens for p in a[1]] == [p.max_new_tokens for p in b[1]]
     assert all(3 <= t < 500 for p in a[0] for t in p)
 
 
 def test_choose_model_small(monkeypatch):
     monkeypatch.delenv("PAGEDLAB_MODEL", raising=False)
-    assert viz.choose_model(small=True, verbose=False) == "random:tiny"
+    assert course.choose_model(small=True, verbose=False) == "random:tiny"
     monkeypatch.setenv("PAGEDLAB_MODEL", "random:llama-3.2-1b")
-    assert viz.choose_model(small=True, verbose=False) == "random:llama-3.2-1b"
+    assert course.choose_model(small=True, verbose=False) == "random:llama-3.2-1b"
 
 
 def test_drawings(trace):

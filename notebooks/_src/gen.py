@@ -34,8 +34,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")   # must be set before Triton kernels are defined
 import pagedlab
-from pagedlab import viz
-print(viz.device_report())'''
+from pagedlab import course, viz
+print(course.device_report())'''
 
 SOLUTIONS = '''# Solutions: run this cell to see (and check) them. They live in solutions/{name}.py next to this
 # notebook; in Colab, open that file from the repository instead.
