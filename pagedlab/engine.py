@@ -69,7 +69,7 @@ class Engine:
         self._next_id = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self._t0 = time.perf_counter()
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}     # every request not yet returned as finished
         # host-side time per phase of a step (seconds, summed): what the scheduler itself costs
         self.timing = dict(schedule=0.0, pack=0.0, forward_sample=0.0, update=0.0, steps=0)
         self.graphs = None
@@ -185,7 +185,7 @@ class Engine:
         return tokens.tolist()          # the step's one device -> host read
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it (and forgets them)."""
         t_start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -218,6 +218,7 @@ class Engine:
             if reason:
                 r.finish_time = now
                 self.scheduler.finish(r, reason)
+                del self.requests[r.request_id]
                 finished.append(r)
         if record is not None:
             record.emitted = {r.request_id: tok for r, tok in zip(reqs, tokens)}

@@ -106,22 +106,22 @@ class LLM:
             for rid in ids:          # nothing half-queued: take back the ones already added
                 self.engine.scheduler.waiting.remove(self.engine.requests.pop(rid))
             raise
-        wanted = set(ids)
+        wanted, done = set(ids), {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        while wanted & {r for r in self.engine.requests if not self.engine.requests[r].is_finished}:
+        while len(done) < len(wanted):
             for r in self.engine.step():
                 if r.request_id in wanted:
+                    done[r.request_id] = out = make_output(r, self.tokenizer)
                     if bar:
                         bar.update(1)
                     if on_finish:
-                        on_finish(make_output(r, self.tokenizer))
+                        on_finish(out)
         if bar:
             bar.close()
-        outs = [make_output(self.engine.requests.pop(rid), self.tokenizer) for rid in ids]
-        return outs
+        return [done[rid] for rid in ids]
 
     def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:
         return self.generate(prompts, params, chat=True, **kw)
