@@ -5,13 +5,13 @@ from pagedlab.llm import make_output
 e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt)
 eng = e.engine
 early = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-late, step, rest = [], 0, list(zip(prompts[4:], params[4:]))
+late, step, rest, res = [], 0, list(zip(prompts[4:], params[4:])), {}
 while eng.has_work() or rest:
     if rest and step % 5 == 0:
         late.append(eng.add_request(*rest.pop(0)))
-    eng.step()
+    for r in eng.step():                     # step() hands back the requests that finished
+        res[r.request_id] = make_output(r, e.tokenizer)
     step += 1
-res = {rid: make_output(r, e.tokenizer) for rid, r in eng.requests.items()}
 avg = lambda ids: sum(res[i].ttft_s for i in ids) / len(ids) * 1e3
 print(f"TTFT: queued at start {avg(early):.0f} ms, late arrivals {avg(late):.0f} ms")
 # A late request waits only for a free slot (continuous batching), not for a whole batch.
