@@ -99,7 +99,7 @@ def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
     for _ in range(batch):
         eng.add_request(torch.randint(0, 128000, (context,), generator=g).tolist(),
                         SamplingParams(max_new_tokens=steps * 3 + 8, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed == 0 for r in eng.scheduler.admitted):
+    while eng.scheduler.waiting or any(r.num_tokens - r.num_computed > 1 for r in eng.scheduler.admitted):
         eng.step()
     for _ in range(3):
         eng.step()

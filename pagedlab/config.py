@@ -120,8 +120,8 @@ class EngineConfig:
                        (on CPU: enough blocks for every slot at max_model_len, capped at 4 GiB).
     max_num_seqs:      slots: how many requests decode together.
     max_model_len:     longest sequence (prompt + output); None -> the model's own limit.
-    max_num_batched_tokens: token budget of one step (prefill chunks are not split; a prompt
-                       longer than the budget runs alone in its step).
+    max_num_batched_tokens: tokens one step computes at most (decodes count one each); longer
+                       prompts are prefilled in chunks over several steps.
     policy:            "continuous" (refill a slot as soon as it frees) or "static" (a batch
                        starts together and ends with its longest member).
     attention_backend: "torch" (plain torch, CPU and GPU), "triton", or "auto" (triton on CUDA).

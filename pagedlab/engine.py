@@ -120,18 +120,21 @@ class Engine:
 
     # -- one step -------------------------------------------------------------
     def _pack(self, prefill: list[Request], decode: list[Request]):
-        """Build the step's tensors: the new tokens of every prefill, then one token per decode."""
+        """Build the step's tensors: each prefill's chunk of new tokens, then one token per decode.
+        Logits are computed only where a next token is due: the last token of a prefill that
+        completes its sequence, and every decode."""
         bs = self.config.block_size
         ids, pos, owner = [], [], []            # per token: id, position, slot of its request
         cu, p_lens, logit_rows = [0], [], []
         for r in prefill:
-            n = r.num_tokens - r.num_computed
-            ids += r.all_token_ids[r.num_computed:]
-            pos += range(r.num_computed, r.num_tokens)
-            owner += [r.slot] * n
-            cu.append(cu[-1] + n)
-            p_lens.append(r.num_tokens)
-            logit_rows.append(cu[-1] - 1)
+            start, end = r.num_computed, r.num_computed + r.num_scheduled
+            ids += r.all_token_ids[start:end]
+            pos += range(start, end)
+            owner += [r.slot] * r.num_scheduled
+            cu.append(cu[-1] + r.num_scheduled)
+            p_lens.append(end)
+            if end == r.num_tokens:
+                logit_rows.append(cu[-1] - 1)
         d_lens = [r.num_tokens for r in decode]
         ids += [r.last_token_id for r in decode]
         pos += [n - 1 for n in d_lens]
@@ -192,7 +195,9 @@ class Engine:
             if self.has_work():
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
             return []
-        reqs = sched.prefill + sched.decode
+        # the requests that get a next token this step (a prefill chunk that does not reach the
+        # end of its sequence only fills the cache)
+        reqs = [r for r in sched.prefill if r.num_computed + r.num_scheduled == r.num_tokens] + sched.decode
         t_packed = time.perf_counter()
         b = self.graphs.batch_size(len(reqs)) if self.graphs is not None and not sched.prefill else None
         if b is not None:
@@ -206,12 +211,13 @@ class Engine:
         tokens = self._sample(logits, reqs, greedy)
         now = time.perf_counter()
         phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
-        num_tokens = sum(r.num_tokens - r.num_computed for r in reqs)
+        num_tokens = sum(r.num_scheduled for r in sched.prefill + sched.decode)
         record = (self._record(t_start, now, sched, phases, num_tokens)
                   if self.trace is not None else None)
+        for r in sched.prefill + sched.decode:
+            r.num_computed += r.num_scheduled
         finished = []
         for r, tok in zip(reqs, tokens):
-            r.num_computed = r.num_tokens
             r.output_token_ids.append(tok)
             r.token_times.append(now)
             reason = self._stop_reason(r, tok)

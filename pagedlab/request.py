@@ -29,6 +29,7 @@ class Request:
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)   # physical blocks, in logical order
     num_computed: int = 0                     # tokens whose K/V are in the cache
+    num_scheduled: int = 0                    # tokens this step computes (a prefill chunk, or 1)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)

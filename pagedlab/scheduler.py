@@ -1,10 +1,13 @@
 """The scheduler: a queue of waiting requests, `max_num_seqs` slots, and the block allocator.
 
-Each step it decides who runs:
-  1. every running request needs room for one more token; when the pool is out of blocks, the
-     newest running request is preempted (blocks freed, back to the front of the queue; its tokens
-     are kept and recomputed by a prefill when it returns);
-  2. free slots are filled from the queue (prefill), while blocks and the step's token budget last.
+Each step it decides who runs, within a budget of `max_num_batched_tokens` tokens:
+  1. every decoding request computes one token and needs room for it; when the pool is out of
+     blocks, the newest running request is preempted (blocks freed, back to the front of the queue;
+     its tokens are kept and recomputed by a prefill when it returns);
+  2. requests whose prefill did not fit in earlier steps continue with their next chunk;
+  3. free slots are filled from the queue, while blocks and budget last. A prompt longer than the
+     budget left is prefilled in chunks over several steps (chunked prefill), so one long prompt
+     never makes a step huge. Blocks for the whole prompt are taken at admission.
      policy "continuous": any free slot, any step.  policy "static": only when every slot is free,
      so a batch starts together and ends with its longest member.
 Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU.
@@ -95,28 +98,34 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        # 1. room for each running request's next token; oldest first, the newest is preempted.
+        # 1. decodes: room for each one's next token; oldest first, the newest is preempted.
         for req in list(self.admitted):
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
             while not self._grow(req, req.num_tokens):
                 victim = self.admitted[-1]
                 self.preempt(victim)
                 step.preempted.append(victim)
+                if victim in step.decode:
+                    step.decode.remove(victim)
                 if victim is req:
                     break
             else:
+                req.num_scheduled = 1
                 step.decode.append(req)
-        # 2. fill free slots from the queue.
+        budget = self.max_num_batched_tokens - len(step.decode)
+        # 2. prefills that did not finish in earlier steps: their next chunk (blocks already held).
+        for req in self.admitted:
+            if budget > 0 and req.num_tokens - req.num_computed > 1:
+                req.num_scheduled = min(req.num_tokens - req.num_computed, budget)
+                budget -= req.num_scheduled
+                step.prefill.append(req)
+        # 3. fill free slots from the queue.
         if self.policy == "static" and self.admitted:
             self.block_table.flush()
             return step
-        budget = self.max_num_batched_tokens - len(step.decode)
-        while self.waiting and None in self.slots:
+        while self.waiting and None in self.slots and budget > 0:
             req = self.waiting[0]
-            need = req.num_tokens - req.num_computed
-            if (step.prefill or step.decode) and need > budget:
-                break
             if blocks_needed(req.num_tokens, self.block_size) > self.allocator.num_free:
                 break                  # wait for running requests to free blocks
             self.waiting.popleft()
@@ -125,7 +134,8 @@ class Scheduler:
             self.admitted.append(req)
             req.status = RequestStatus.RUNNING
             self._grow(req, req.num_tokens)
+            req.num_scheduled = min(req.num_tokens - req.num_computed, budget)
+            budget -= req.num_scheduled
             step.prefill.append(req)
-            budget -= need
         self.block_table.flush()
         return step

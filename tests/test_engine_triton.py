@@ -3,17 +3,20 @@ from helpers import tiny_llm
 from pagedlab import SamplingParams
 
 
-def test_triton_backend_engine_matches_torch_backend():
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("budget", [8192, 7])       # 7: prompts prefilled in chunks over cached pages
+def test_triton_backend_engine_matches_torch_backend(budget):
     prompts = [[5, 6, 7, 8, 9], [11] * 19, [3, 4]]
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    kw = dict(max_num_seqs=2, num_blocks=32, block_size=4)
+    kw = dict(max_num_seqs=2, num_blocks=32, block_size=4, max_num_batched_tokens=budget)
     ref = [o.token_ids for o in tiny_llm(attention_backend="torch", **kw).generate(prompts, sp)]
     for variant in ("naive", "blocked", "gqa", "split_kv"):
         got = [o.token_ids for o in tiny_llm(attention_backend="triton", decode_variant=variant, **kw).generate(prompts, sp)]
         assert got == ref, variant
 
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 
 

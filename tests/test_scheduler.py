@@ -168,3 +168,29 @@ def test_trace_records_slots_blocks_and_pool():
         assert used == s.pool_used <= s.pool_total
         assert set(s.emitted) == {r for r in s.slot_request if r is not None} | set(s.finished)
     assert "C" in llm.trace.timeline()
+
+
+@pytest.mark.parametrize("budget,slots", [(5, 3), (13, 4), (32, 2)])
+def test_chunked_prefill_gives_the_same_outputs(stream, reference, budget, slots):
+    """A step budget smaller than most prompts: prompts are prefilled in chunks over several
+    steps, no step computes more than the budget, and the tokens are unchanged."""
+    prompts, params = stream
+    llm = tiny_llm(max_num_seqs=slots, num_blocks=256, block_size=4, max_num_batched_tokens=budget, trace=True)
+    got = run_stream(llm, prompts, params, [0] * len(prompts))
+    assert [got[i] for i in range(len(prompts))] == reference
+    steps = llm.trace.steps
+    assert all(s.num_tokens <= max(budget, slots) for s in steps)
+    chunked = [rid for rid in range(len(prompts))
+               if sum(s.slot_phase[s.slot_request.index(rid)] == "prefill"
+                      for s in steps if rid in s.slot_request) > 1]
+    assert chunked, "some prompt should have needed several chunks"
+
+
+def test_chunked_prefill_with_preemption(stream, reference):
+    prompts, params = stream
+    llm = tiny_llm(max_num_seqs=5, num_blocks=14, block_size=4, max_num_batched_tokens=9, trace=True)
+    got = run_stream(llm, prompts, params, [0] * len(prompts))
+    assert sum(len(s.preempted) for s in llm.trace.steps) > 0
+    for i in range(len(prompts)):
+        assert got[i] == reference[i][:len(got[i])]
+        assert len(got[i]) == min(len(reference[i]), llm.engine.max_model_len - len(prompts[i]))
