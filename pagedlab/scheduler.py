@@ -5,9 +5,10 @@ Each step it decides who runs, within a budget of `max_num_batched_tokens` token
      blocks, the newest running request is preempted (blocks freed, back to the front of the queue;
      its tokens are kept and recomputed by a prefill when it returns);
   2. requests whose prefill did not fit in earlier steps continue with their next chunk;
-  3. free slots are filled from the queue, while blocks and budget last. A prompt longer than the
-     budget left is prefilled in chunks over several steps (chunked prefill), so one long prompt
-     never makes a step huge. Blocks for the whole prompt are taken at admission.
+  3. free slots are filled from the queue, while blocks and budget last. A prompt that fits in a
+     step's budget waits for a step with room for all of it; a prompt longer than the whole budget
+     is prefilled in chunks over several steps (chunked prefill), so no step is ever larger than
+     the budget. Blocks for the whole prompt are taken at admission.
      policy "continuous": any free slot, any step.  policy "static": only when every slot is free,
      so a batch starts together and ends with its longest member.
 Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU.
@@ -126,6 +127,9 @@ class Scheduler:
             return step
         while self.waiting and None in self.slots and budget > 0:
             req = self.waiting[0]
+            need = req.num_tokens - req.num_computed
+            if budget < need <= self.max_num_batched_tokens:
+                break                  # fits a later step whole: wait (measured faster than splitting)
             if blocks_needed(req.num_tokens, self.block_size) > self.allocator.num_free:
                 break                  # wait for running requests to free blocks
             self.waiting.popleft()
@@ -134,7 +138,7 @@ class Scheduler:
             self.admitted.append(req)
             req.status = RequestStatus.RUNNING
             self._grow(req, req.num_tokens)
-            req.num_scheduled = min(req.num_tokens - req.num_computed, budget)
+            req.num_scheduled = min(need, budget)
             budget -= req.num_scheduled
             step.prefill.append(req)
         self.block_table.flush()
