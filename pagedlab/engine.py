@@ -18,7 +18,7 @@ import torch
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .kv_cache import KVCache, blocks_needed
-from .request import Request, RequestStatus
+from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .trace import StepRecord, Trace

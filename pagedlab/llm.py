@@ -25,10 +25,6 @@ class RequestOutput:
     itl_s: list[float]            # inter-token latencies
     num_preemptions: int
 
-    @property
-    def mean_itl_s(self) -> float:
-        return sum(self.itl_s) / len(self.itl_s) if self.itl_s else 0.0
-
 
 def make_output(req: Request, tokenizer) -> RequestOutput:
     times = req.token_times

@@ -46,7 +46,3 @@ class Request:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED

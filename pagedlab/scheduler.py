@@ -51,14 +51,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    @property
-    def running(self) -> list[Request]:
-        return list(self.admitted)
-
-    @property
-    def free_slots(self) -> list[int]:
-        return [i for i, r in enumerate(self.slots) if r is None]
-
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.admitted)
 
