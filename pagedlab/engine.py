@@ -210,10 +210,7 @@ class Engine:
         t_forward = time.perf_counter()
         tokens = self._sample(logits, reqs, greedy)
         now = time.perf_counter()
-        phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
-        num_tokens = sum(r.num_scheduled for r in sched.prefill + sched.decode)
-        record = (self._record(t_start, now, sched, phases, num_tokens)
-                  if self.trace is not None else None)
+        record = self._record(t_start, now, sched) if self.trace is not None else None
         for r in sched.prefill + sched.decode:
             r.num_computed += r.num_scheduled
         finished = []
@@ -246,8 +243,11 @@ class Engine:
             return "length"
         return None
 
-    def _record(self, t_start, now, sched, phases, num_tokens) -> StepRecord:
+    def _record(self, t_start, now, sched) -> StepRecord:
+        """The step as plain data (taken before the update: slots as they ran this step)."""
         s = self.scheduler
+        phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
+        num_tokens = sum(r.num_scheduled for r in sched.prefill + sched.decode)
         return StepRecord(
             step=len(self.trace), start_s=t_start - self._t0, duration_s=now - t_start,
             slot_request=[r.request_id if r else None for r in s.slots],

@@ -38,6 +38,15 @@ def _letter(rid) -> str:
     return "abcdefghijklmnopqrstuvwxyz"[rid % 26]
 
 
+def _tidy(fig, ax, tight: bool = True):
+    """The house style every drawing ends with: no top/right frame; tight layout for own figures."""
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    if tight:
+        fig.tight_layout()
+    return fig
+
+
 def _new_ax(ax, figsize):
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize)
@@ -70,9 +79,7 @@ def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None =
     util = sum(p is not None for s in steps for p in s.slot_phase) / max(1, len(steps) * n_slots)
     ax.set_title(title if title is not None else f"slot timeline: {len(steps)} steps, "
                  f"{util:.0%} of slot-steps busy (hatched = prefill)", fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    return fig
+    return _tidy(fig, ax, tight=False)
 
 
 def draw_timelines(traces: dict, title: str | None = None):
@@ -103,10 +110,7 @@ def draw_utilization(traces: dict, ax=None):
     ax.set_ylim(0, 1.25)
     ax.set_ylabel("slot utilization")
     ax.set_title("busy slot-steps / all slot-steps", fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 # ----------------------------------------------------------------------------- block table, pool
@@ -138,9 +142,7 @@ def draw_block_table(block_table, slot_request=None, ax=None, num_cols: int | No
     ax.set_xticks([i + 0.5 for i in range(0, cols, step)], [str(i) for i in range(0, cols, step)], fontsize=8)
     ax.set_xlabel("logical block (token index // block_size)")
     ax.set_title(title, fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    return fig
+    return _tidy(fig, ax, tight=False)
 
 
 def pool_owners(block_table, slot_request, pool_total: int) -> list:
@@ -305,10 +307,7 @@ def draw_bars(values: dict, ylabel: str, title: str = "", ax=None, fmt: str = "{
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10, loc="left")
     ax.set_ylim(0, max([v for v in values.values()] + [1e-9]) * 1.2)
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 def draw_pool_usage(trace, ax=None, title: str | None = None):
@@ -327,10 +326,7 @@ def draw_pool_usage(trace, ax=None, title: str | None = None):
     ax.set_ylim(0, total * 1.45 + 1)
     ax.legend(fontsize=8, loc="upper right", ncol=3)
     ax.set_title(title or "KV pool usage", fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 def draw_fragmentation(used_tokens: dict, reserved_tokens: dict, title: str = "", ax=None):
@@ -348,10 +344,7 @@ def draw_fragmentation(used_tokens: dict, reserved_tokens: dict, title: str = ""
     ax.set_ylim(0, max(reserved_tokens.values()) * 1.2)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 def draw_bandwidth(results: dict, limit_gbs: float | None, title: str = "", ax=None,
@@ -371,10 +364,7 @@ def draw_bandwidth(results: dict, limit_gbs: float | None, title: str = "", ax=N
     ax.set_ylabel("K/V bytes read / time (GB/s)")
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 def draw_lines(series: dict, xlabel: str, ylabel: str, title: str = "", ax=None, logx: bool = False):
@@ -388,10 +378,7 @@ def draw_lines(series: dict, xlabel: str, ylabel: str, title: str = "", ax=None,
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10, loc="left")
-    for side in ("top", "right"):
-        ax.spines[side].set_visible(False)
-    fig.tight_layout()
-    return fig
+    return _tidy(fig, ax)
 
 
 def draw_safetensors_layout(header_len: int, entries: list, total: int, ax=None, max_labels: int = 12):

@@ -219,13 +219,14 @@ def safetensors_checkpoint(directory: str | Path, show_progress: bool = True) ->
         except Exception as e:
             raise ValueError(f"{f} is not a valid safetensors file ({type(e).__name__}: {e}). It is "
                              f"probably truncated or corrupt: delete it and download it again.") from e
-    missing = [k for k in random_checkpoint_names(config) if k not in tensors]
+    missing = [k for k in expected_weight_names(config) if k not in tensors]
     if missing:
         raise ValueError(f"{directory}: {len(missing)} weights missing, e.g. {missing[:3]}")
     return Checkpoint(config, tensors, source=str(directory), tokenizer_dir=str(directory))
 
 
-def random_checkpoint_names(config: ModelConfig) -> list[str]:
+def expected_weight_names(config: ModelConfig) -> list[str]:
+    """Every tensor a Llama checkpoint of this config must hold (HF names)."""
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
