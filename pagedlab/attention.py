@@ -1,9 +1,10 @@
 """The one attention interface: paged K/V + block table + sequence lengths.
 
 A step's batch is packed: first the tokens of the sequences being prefilled (several new tokens
-each), then one token per decoding sequence. `AttentionMetadata` describes both parts; `attend`
-stores the new K/V into the pages, then runs prefill attention on the first part and decode
-attention on the second, with whichever kernels (torch or Triton) the model was given.
+each), then one token per decoding sequence. `AttentionMetadata` describes both parts. The step's new K/V
+are already in the pages (the QKV projection stores them, see kernels/gemv.py); `attend` runs
+prefill attention on the first part and decode attention on the second, with whichever kernels
+(torch or Triton) the model was given.
 """
 from __future__ import annotations
 
@@ -31,9 +32,8 @@ class AttentionMetadata:
         return self.decode_seq_lens.shape[0]
 
 
-def attend(kernels, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> attention output [T, Hq, D]."""
-    kernels.kv_store(k, v, k_cache, v_cache, meta.slot_mapping)
+def attend(kernels, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D] for this step's tokens (their K/V already stored) -> attention output [T, Hq, D]."""
     n = meta.num_prefill_tokens
     if meta.num_decode_tokens == 0:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_table,

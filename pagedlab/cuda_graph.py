@@ -31,6 +31,10 @@ class DecodeGraphs:
         self.null_row = block_table.shape[0] - 1
         self.inputs = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, device=model.device)
         self.inputs[:] = torch.tensor(self.padding_row(), dtype=torch.int64)
+        # the host side of the copy: pinned (page-locked), so the copy is a plain async DMA
+        self.host_inputs = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, pin_memory=True)
+        self._host_np = self.host_inputs.numpy()
+        self._host_np[:] = self.padding_row()
         self.graphs, self.logits, self.tokens = {}, {}, {}
         self.pool = None
         self._capture_all()
@@ -49,8 +53,8 @@ class DecodeGraphs:
             prefill_seq_lens=seq_lens[:0], max_q_len=0,
             decode_block_table=self.table.index_select(0, x[:, 4]), decode_seq_lens=seq_lens,
             max_seq_len=self.max_seq_len)
-        logits = self.model.forward(x[:, 0].contiguous(), x[:, 1].contiguous(), self.kv_cache, meta)
-        return logits, logits.argmax(dim=-1)
+        return self.model.forward(x[:, 0].contiguous(), x[:, 1].contiguous(), self.kv_cache, meta,
+                                  greedy=True)
 
     def _capture_all(self):
         stream = torch.cuda.Stream()
@@ -72,10 +76,14 @@ class DecodeGraphs:
         """The captured size that holds n rows (None if none does)."""
         return next((s for s in self.sizes if s >= n), None) if n > 0 else None
 
-    def run(self, rows: torch.Tensor):
-        """rows [b, 5] int64 on the host, b a captured size (padding rows included).
-        Returns (logits [b, V], greedy tokens [b]) on the device."""
-        b = rows.shape[0]
-        self.inputs[:b].copy_(rows, non_blocking=True)
+    def run(self, rows: list) -> tuple:
+        """rows: n <= max batch tuples (token, position, KV slot, length, slot). Pads them to the
+        captured size b, copies them to the device (one copy) and replays b's graph.
+        Returns (logits [n, V], greedy tokens [n]) on the device."""
+        n = len(rows)
+        b = self.batch_size(n)
+        self._host_np[:n] = rows
+        self._host_np[n:b] = self.padding_row()
+        self.inputs[:b].copy_(self.host_inputs[:b], non_blocking=True)
         self.graphs[b].replay()
-        return self.logits[b], self.tokens[b]
+        return self.logits[b][:n], self.tokens[b][:n]

@@ -161,15 +161,14 @@ class Engine:
             max_seq_len=max(d_lens, default=0))
         return ids_t, positions, meta, rows_t
 
-    def _graph_rows(self, reqs: list[Request], b: int) -> torch.Tensor:
-        """Host rows for a graph replay: token, position, KV slot, length, slot; padded to b."""
+    def _graph_rows(self, reqs: list[Request]) -> list[tuple]:
+        """Host rows for a graph replay: token, position, KV slot, length, slot."""
         bs = self.config.block_size
         rows = []
         for r in reqs:
             n = r.num_tokens
             rows.append((r.last_token_id, n - 1, r.blocks[(n - 1) // bs] * bs + (n - 1) % bs, n, r.slot))
-        rows += [self.graphs.padding_row()] * (b - len(reqs))
-        return torch.tensor(rows, dtype=torch.int64)
+        return rows
 
     def _sample(self, logits, reqs: list[Request], greedy=None) -> list[int]:
         ps = [r.params for r in reqs]
@@ -199,10 +198,8 @@ class Engine:
         # end of its sequence only fills the cache)
         reqs = [r for r in sched.prefill if r.num_computed + r.num_scheduled == r.num_tokens] + sched.decode
         t_packed = time.perf_counter()
-        b = self.graphs.batch_size(len(reqs)) if self.graphs is not None and not sched.prefill else None
-        if b is not None:
-            logits, greedy = self.graphs.run(self._graph_rows(reqs, b))
-            logits = logits[:len(reqs)]
+        if self.graphs is not None and not sched.prefill and self.graphs.batch_size(len(reqs)):
+            logits, greedy = self.graphs.run(self._graph_rows(reqs))
         else:
             input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)

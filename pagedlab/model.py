@@ -1,15 +1,19 @@
 """The Llama forward pass over a packed batch (prefill tokens and decode tokens together).
 
-    embed -> for each layer: [RMSNorm -> QKV -> RoPE -> paged attention -> O]  + residual
-                             [RMSNorm -> gate/up -> SiLU(gate) * up -> down]     + residual
+    embed -> for each layer:  q = RoPE(RMSNorm(h) Wq), and RoPE(RMSNorm(h) Wk), RMSNorm(h) Wv -> paged cache
+                              h = h + attention(q, paged K/V) Wo
+                              h = h + (SiLU(RMSNorm(h) Wg) * RMSNorm(h) Wu) Wd
           -> final RMSNorm -> LM head (only at the rows whose next token we need)
 
-Q/K/V and gate/up are fused into one matrix each at load time (fewer, larger matmuls).
+h is the residual stream. Q/K/V and gate/up are fused into one matrix each at load time (fewer,
+larger matmuls). Each line above is one kernel function (kernels/gemv.py): with few tokens in the
+step (decode at small batch) it is ONE launch that streams its weight matrix once, with the norm,
+RoPE, K/V store, SwiGLU and residual add done on the way; with many tokens it is the unfused
+composition (RMSNorm, cuBLAS matmul, RoPE, K/V store ...).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .attention import AttentionMetadata, attend
 from .config import ModelConfig
@@ -52,27 +56,20 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
-                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns fp32 logits [len(logits_indices) or T, vocab]."""
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
+                greedy: bool = False):
+        """input_ids, positions: [T]. Returns fp32 logits [len(logits_indices) or T, vocab]
+        (and with greedy=True also their argmax, the greedy tokens, computed in the LM head)."""
         c, ops = self.config, self.kernels
-        t = input_ids.shape[0]
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        t, eps = input_ids.shape[0], c.rms_norm_eps
         h = self.embed[input_ids]
-        residual = None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                x, residual = ops.rms_norm(h, layer["attn_norm"], c.rms_norm_eps), h
-            else:
-                x, residual = ops.rms_norm(h, layer["attn_norm"], c.rms_norm_eps, residual)
-            q, k, v = F.linear(x, layer["qkv"]).split([q_size, kv_size, kv_size], dim=-1)
-            q, k = ops.rope(q.reshape(t, c.num_heads, c.head_dim), k.reshape(t, c.num_kv_heads, c.head_dim),
-                            positions, self.cos_sin)
-            o = attend(ops, q, k, v.reshape(t, c.num_kv_heads, c.head_dim),
-                       kv_cache.k[i], kv_cache.v[i], meta, self.scale)
-            h = F.linear(o.reshape(t, q_size), layer["o"])
-            x, residual = ops.rms_norm(h, layer["mlp_norm"], c.rms_norm_eps, residual)
-            h = F.linear(ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
-        h, _ = ops.rms_norm(h, self.norm, c.rms_norm_eps, residual)
+            k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
+            q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
+                                        k_cache, v_cache, meta.slot_mapping, c.num_heads)
+            o = attend(ops, q, k_cache, v_cache, meta, self.scale)
+            h = ops.linear_residual(o.reshape(t, c.num_heads * c.head_dim), layer["o"], h)
+            h = ops.linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"]), layer["down"], h)
         if logits_indices is not None:
             h = h[logits_indices]
-        return F.linear(h, self.lm_head).float()
+        return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy)

@@ -14,11 +14,14 @@ KERNEL_FAMILIES = {
     "rms_norm": "rmsnorm", "rope": "rope", "kv_store": "kv_store",
     "prefill_attention": "prefill_attention", "decode_attention": "decode_attention",
     "silu_and_mul": "activation",
+    # decode-time linear layers with their neighbours fused in (unfused composition above MAX_ROWS)
+    "norm_qkv_rope_store": "gemv", "linear_residual": "gemv", "norm_swiglu": "gemv",
+    "norm_lm_head": "gemv",
 }
 
 
 def select_kernels(backend: str = "torch", decode_variant: str = "auto") -> SimpleNamespace:
-    """The six kernel functions the model calls, from one backend: "torch" (the references, any
+    """The kernel functions the model calls, from one backend: "torch" (the references, any
     device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
     import functools
     import importlib

@@ -18,7 +18,9 @@ in physical block block_table[b, n // block_size], row n % block_size):
             O += P V are tensor-core dots, and each K/V tile leaves DRAM exactly once.
   split_kv  flash-decoding: the gqa program, but the context is also split across programs
             (grid B x Hkv x S). With small batches B * Hkv programs cannot fill 132 SMs; splitting
-            the context restores parallelism. Each split writes its partial (max m, sum l,
+            the context restores parallelism. Each sequence splits its OWN length evenly (S is
+            fixed at launch from the context bound; a short sequence uses only its first splits),
+            so a CUDA graph captured for the longest context stays cheap at short ones. Each split writes its partial (max m, sum l,
             unnormalised acc) to a scratch buffer, and a second tiny kernel merges them:
             M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s.
   auto      picks gqa or split_kv (and the number of splits) from the batch size, the context
@@ -184,6 +186,10 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_p
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + b)
+    if NUM_SPLITS > 1:
+        # Split THIS sequence's context evenly (whole BLOCK_N tiles): a short sequence uses only
+        # its first few splits; the programs past its end do nothing and write nothing.
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start_n = split * split_len
     end_n = tl.minimum(start_n + split_len, seq_len)
 
@@ -234,24 +240,29 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_p
     else:
         # scratch: ml [B, Hq, S, 2] (max, sum), acc [B, Hq, S, BLOCK_D], fp32, contiguous
         row = q_rows * NUM_SPLITS + split                                # [GP]
-        tl.store(ml_ptr + row * 2, m_i, mask=gmask)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
-        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
+        wmask = gmask & (offs_g * 0 + start_n < seq_len)      # nothing from unused splits
+        tl.store(ml_ptr + row * 2, m_i, mask=wmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=wmask)
+        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=wmask[:, None])
 
 
 @triton.jit
-def _decode_merge_kernel(o_ptr, ml_ptr, acc_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_merge_kernel(o_ptr, ml_ptr, acc_ptr, sl_ptr, HQ: tl.constexpr, D: tl.constexpr,
+                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)              # row of out [B*Hq, D]
+    seq_len = tl.load(sl_ptr + r // HQ)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))     # splits that wrote a partial result
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < NUM_SPLITS
+    smask = offs_s < used
     row = r * NUM_SPLITS + offs_s
     m = tl.load(ml_ptr + row * 2, mask=smask, other=-1.0e30)
     l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
     acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None], other=0.0)
     m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - m_max)                      # empty splits: l = 0, acc = 0 -> contribute 0
+    w = tl.exp2(m - m_max)                      # unused splits: masked, l = 0 -> contribute 0
     l_tot = tl.sum(w * l, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
     tl.store(o_ptr + r * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
@@ -339,22 +350,21 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
         if splits > 1:
-            split_len = triton.cdiv(triton.cdiv(max(max_ctx, 1), splits), block_n) * block_n
             ml_buf, acc_buf = _scratch(q.device, b * hq, splits, block_d)
         else:
-            split_len = 1 << 30
             ml_buf = acc_buf = out                          # unused
         _decode_gqa_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, out, ml_buf, acc_buf, block_table, seq_lens, scale2,
-            block_table.shape[1], split_len,
+            block_table.shape[1], 1 << 30,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
             IDX64=k_cache.numel() >= 2 ** 31, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         if splits > 1:
-            _decode_merge_kernel[(b * hq,)](out, ml_buf, acc_buf, D=d, BLOCK_D=block_d,
-                                            NUM_SPLITS=splits,
-                                            BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+            _decode_merge_kernel[(b * hq,)](out, ml_buf, acc_buf, seq_lens, HQ=hq, D=d,
+                                            BLOCK_D=block_d, NUM_SPLITS=splits,
+                                            BLOCK_S=triton.next_power_of_2(splits), BLOCK_N=block_n,
+                                            num_warps=1)
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),

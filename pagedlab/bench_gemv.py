@@ -1,0 +1,197 @@
+"""Benchmark the decode-time linear layers (kernels/gemv.py): `python -m pagedlab.bench_gemv`.
+
+For each weight matrix of a Llama-3.2-1B layer (and the LM head) at M = 1..16 tokens: the fused
+Triton kernel against the unfused composition it replaces (RMSNorm / RoPE / K-V store / SwiGLU
+kernels around a cuBLAS matmul), both replayed from a CUDA graph as in the engine. The graph runs
+the op over enough COPIES of the weight matrix (>= 256 MB, four times the H200's L2) that every
+call reads its weights from DRAM, like consecutive layers do. Reports microseconds per call and
+the weight read rate (weight bytes / time) beside the device's copy bandwidth from the same run.
+
+    python -m pagedlab.bench_gemv                 # table + JSON (+ figures/gemv_bench.png)
+    python -m pagedlab.bench_gemv --tune          # also sweep launch configs; writes the best as
+                                                  # JSON, usable via PAGEDLAB_GEMV_CONFIG=<file>
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+HIDDEN, INTER, HQ, HKV, D, VOCAB = 2048, 8192, 32, 8, 64, 128256
+ROWS = (1, 2, 4, 8, 16)
+MIN_BYTES = 256 << 20
+
+
+def graph_time_us(calls, reps=30) -> float:
+    """Median microseconds per call of `calls` (a list of closures) captured back to back in one
+    CUDA graph and replayed `reps` times."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in calls[:2]:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del g
+    return sorted(times)[len(times) // 2]
+
+
+def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
+    """{op name: (weight bytes, [fused closures], [unfused closures], config key)} with enough
+    weight copies per op to stream from DRAM."""
+    from .kernels import gemv
+    from .kernels.rope import rope_cos_sin
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+    x_h, x_i = randn(m, HIDDEN), randn(m, INTER)
+    o_in = randn(m, HQ * D)
+    g = randn(HIDDEN)
+    cos_sin = rope_cos_sin(D, 500000.0, 4096, device=device)
+    pos = torch.randint(0, 4096, (m,), generator=gen, device=device)
+    k_cache, v_cache = randn(64, 16, HKV, D), randn(64, 16, HKV, D)
+    slots = torch.randperm(64 * 16, generator=gen, device=device)[:m]
+    specs = {
+        "qkv (norm+RoPE+KV store)": ((HQ + 2 * HKV) * D, HIDDEN, "qkv"),
+        "o_proj (+residual)": (HIDDEN, HQ * D, "residual"),
+        "gate_up (norm+SwiGLU)": (2 * INTER, HIDDEN, "swiglu"),
+        "down_proj (+residual)": (HIDDEN, INTER, "residual"),
+        "lm_head (norm, fp32 out)": (VOCAB, HIDDEN, "lm_head"),
+    }
+    ops = {}
+    for name, (n, k, key) in specs.items():
+        nbytes = n * k * 2
+        copies = max(1, -(-MIN_BYTES // nbytes))
+        ws = [randn(n, k, scale=k ** -0.5) for _ in range(copies)]
+
+        def call(w, fused, cfg=None, key=key):
+            if key == "qkv":
+                return lambda: gemv.norm_qkv_rope_store_triton(x_h, g, 1e-5, w, pos, cos_sin, k_cache,
+                                                               v_cache, slots, HQ, config=cfg, fused=fused)
+            if key == "swiglu":
+                return lambda: gemv.norm_swiglu_triton(x_h, g, 1e-5, w, config=cfg, fused=fused)
+            if key == "lm_head":
+                return lambda: gemv.norm_lm_head_triton(x_h, g, 1e-5, w, config=cfg, fused=fused)
+            xin = o_in if w.shape[1] == HQ * D else x_i
+            return lambda: gemv.linear_residual_triton(xin, w, x_h, config=cfg, fused=fused)
+        ops[name] = dict(bytes=nbytes, key=key, ws=ws, call=call)
+    return ops
+
+
+def tune(ops) -> dict:
+    """Best launch config per kernel (ops sharing a kernel are scored by their summed time), in
+    two rounds to keep compiles few: tile shapes (BLOCK_R x BLOCK_K) at 4 warps / 4 stages, then
+    warps x stages around the best tile."""
+    tuned = {}
+    for key in dict.fromkeys(op["key"] for op in ops.values()):
+        group = [op for op in ops.values() if op["key"] == key]
+
+        def score(cfg):
+            try:
+                return sum(graph_time_us([op["call"](w, True, cfg) for w in op["ws"]]) for op in group)
+            except Exception as e:                # out of shared memory / registers: skip
+                print(f"  skip {cfg}: {type(e).__name__}")
+                return float("inf")
+        rs = (32, 64, 128) if key == "lm_head" else (16, 32)
+        tiles = [dict(BLOCK_R=r, BLOCK_K=k, num_warps=4, num_stages=4) for r in rs for k in (128, 256, 512)]
+        best = min(((score(c), c) for c in tiles), key=lambda t: t[0])
+        rest = [dict(best[1], num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4, 6)
+                if (w, st) != (4, 4)]
+        best = min([best] + [(score(c), c) for c in rest], key=lambda t: t[0])
+        tuned[key] = best
+        print(f"tune {key}: {best[1]}  {best[0]:.2f} us for {', '.join(n for n, op in ops.items() if op['key'] == key)}")
+    return tuned
+
+
+def main(argv=None):
+    from .bench_engine import copy_bandwidth
+    from .kernels import gemv
+    ap = argparse.ArgumentParser(prog="pagedlab.bench_gemv", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="figures")
+    ap.add_argument("--tune", action="store_true", help="sweep launch configs at M=1 first")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gemv needs a CUDA device")
+    dev = torch.device("cuda")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+    copy_bw = copy_bandwidth(dev) / 1e12
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), date=datetime.date.today().isoformat(),
+                copy_tb_s=round(copy_bw, 3))
+    print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  copy {copy_bw:.2f} TB/s")
+    tuned = {}
+    if args.tune:
+        tuned = tune(make_ops(1, dev))
+        best_cfg = {k: v[1] for k, v in tuned.items()}
+        (out / "gemv_best_config.json").write_text(json.dumps(best_cfg, indent=1))
+        gemv.GEMV_CONFIG.update(best_cfg)
+    rows = []
+    print(f"{'op':28s} {'M':>3s} {'fused us':>9s} {'TB/s':>6s} {'unfused us':>10s} {'TB/s':>6s} {'speedup':>7s}")
+    for m in ROWS:
+        for name, op in make_ops(m, dev).items():
+            f_us = graph_time_us([op["call"](w, True) for w in op["ws"]])
+            u_us = graph_time_us([op["call"](w, False) for w in op["ws"]])
+            r = dict(op=name, m=m, fused_us=f_us, unfused_us=u_us, bytes=op["bytes"],
+                     fused_tb_s=op["bytes"] / f_us / 1e6, unfused_tb_s=op["bytes"] / u_us / 1e6)
+            rows.append(r)
+            print(f"{name:28s} {m:3d} {f_us:9.2f} {r['fused_tb_s']:6.2f} {u_us:10.2f} "
+                  f"{r['unfused_tb_s']:6.2f} {u_us / f_us:6.2f}x")
+    layer = {m: (sum(r["fused_us"] for r in rows if r["m"] == m and "lm_head" not in r["op"]),
+                 sum(r["unfused_us"] for r in rows if r["m"] == m and "lm_head" not in r["op"]))
+             for m in ROWS}
+    for m, (f, u) in layer.items():
+        print(f"one layer's linear work at M={m}: fused {f:.1f} us, unfused {u:.1f} us")
+    result = dict(meta=meta, config=gemv.GEMV_CONFIG, rows=rows,
+                  tuned={k: dict(us=v[0], config=v[1]) for k, v in tuned.items()})
+    (out / "gemv_bench.json").write_text(json.dumps(result, indent=1))
+    plot(rows, copy_bw, out / "gemv_bench.png")
+
+
+def plot(rows, copy_bw, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(1, len(ops), figsize=(3.2 * len(ops), 3.2), sharey=True)
+    for ax, op in zip(axes, ops):
+        rs = [r for r in rows if r["op"] == op]
+        ms = [r["m"] for r in rs]
+        ax.plot(ms, [r["fused_tb_s"] for r in rs], "o-", label="fused Triton")
+        ax.plot(ms, [r["unfused_tb_s"] for r in rs], "s--", label="unfused (cuBLAS + kernels)")
+        ax.axhline(copy_bw, color="gray", lw=0.8, ls=":", label="device copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.set_title(op, fontsize=9)
+        ax.set_xlabel("tokens in the step (M)")
+    axes[0].set_ylabel("weight read rate (TB/s)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Decode-time linear layers, Llama-3.2-1B shapes, bf16 (CUDA graph replay)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

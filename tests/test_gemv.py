@@ -1,0 +1,187 @@
+"""The fused decode-time linear layers (pagedlab/kernels/gemv.py) against their unfused references.
+
+Reference = the plain-torch composition run in fp64 on the same (rounded) inputs. On CPU the fused
+kernels run under the Triton interpreter in fp32/fp16 at small irregular shapes; on a GPU in bf16
+at full Llama-3.2-1B shapes. Each case also runs above MAX_ROWS (the composed Triton+cuBLAS path).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedlab.kernels import gemv  # noqa: E402
+from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
+TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+# (hidden, intermediate, Hq, Hkv, D, vocab): GPU = Llama-3.2-1B; CPU = small and irregular
+SHAPES = [(2048, 8192, 32, 8, 64, 128256)] if GPU else [(200, 344, 6, 2, 32, 1001), (64, 96, 4, 4, 16, 77)]
+ROWS = [1, 5, gemv.MAX_ROWS, gemv.MAX_ROWS + 3]
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def check(out, ref, dtype):
+    assert torch.isfinite(out).all()
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
+
+
+def rand(*shape, dtype, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+
+def f64(t):
+    return t.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("t", ROWS)
+def test_linear_residual(dtype, shape, t):
+    gen = torch.Generator().manual_seed(t)
+    hidden, inter = shape[:2]
+    for k, n in [(hidden, hidden), (inter, hidden)]:           # o_proj and down_proj shapes
+        x, w = rand(t, k, dtype=dtype, gen=gen), rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
+        r = rand(t, n, dtype=dtype, gen=gen)
+        out = gemv.linear_residual_triton(x, w, r)
+        assert out.shape == (t, n) and out.dtype == dtype
+        check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("t", ROWS)
+def test_norm_swiglu(dtype, shape, t):
+    gen = torch.Generator().manual_seed(10 + t)
+    hidden, inter = shape[:2]
+    x = rand(t, hidden, dtype=dtype, gen=gen, scale=3.0)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    w = rand(2 * inter, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
+    out = gemv.norm_swiglu_triton(x, g, 1e-5, w)
+    assert out.shape == (t, inter) and out.dtype == dtype
+    check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("t", ROWS)
+def test_norm_lm_head(dtype, shape, t):
+    gen = torch.Generator().manual_seed(20 + t)
+    hidden, vocab = shape[0], shape[5]
+    x = rand(t, hidden, dtype=dtype, gen=gen, scale=0.5)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    w = rand(vocab, hidden, dtype=dtype, gen=gen, scale=0.05)
+    out = gemv.norm_lm_head_triton(x, g, 1e-5, w)
+    assert out.shape == (t, vocab) and out.dtype == torch.float32
+    ref = gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w))
+    check(out, ref, dtype)
+    if t <= gemv.MAX_ROWS:      # greedy picks agree wherever the reference's top-2 gap is clear
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 4 * TOL[dtype] * ref.abs().max()
+        assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
+    # greedy=True: the in-kernel argmax is exactly torch's argmax of the same logits
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True)
+    assert tokens.dtype == torch.int64 and torch.equal(logits, out)
+    assert torch.equal(tokens, out.argmax(-1))
+
+
+def test_greedy_ties_pick_the_first_index():
+    """Two rows of the head tie for the maximum, in different programs: the smaller index wins,
+    as in torch.argmax."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(5)
+    hidden, vocab = SHAPES[-1][0], SHAPES[-1][5]
+    # small integers: the two tied dot products are exact whatever the summation order
+    x = torch.randint(-3, 4, (3, hidden), generator=gen).to(dtype).to(DEV)
+    g = torch.ones(hidden, dtype=dtype, device=DEV)
+    w = rand(vocab, hidden, dtype=dtype, gen=gen, scale=0.01)
+    winner = x[0].sign()                                       # aligned with token 0's input
+    first, second = 5, vocab - 3
+    w[first] = w[second] = winner
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True)
+    assert logits[0, first] == logits[0, second] == logits[0].max()
+    assert tokens[0].item() == first
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("t", ROWS)
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_norm_qkv_rope_store(dtype, shape, t, block_size):
+    gen = torch.Generator().manual_seed(30 + t + block_size)
+    hidden, _, hq, hkv, d, _ = shape
+    x = rand(t, hidden, dtype=dtype, gen=gen, scale=2.0)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    w = rand((hq + 2 * hkv) * d, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
+    cos_sin = rope_cos_sin(d, 500000.0, 40000, LLAMA3_SCALING, device=DEV)
+    positions = torch.randint(0, 40000, (t,), generator=gen).to(DEV)
+    num_blocks = t // block_size + 4
+    k_cache = rand(num_blocks, block_size, hkv, d, dtype=dtype, gen=gen)
+    v_cache = rand(num_blocks, block_size, hkv, d, dtype=dtype, gen=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)   # scattered slots
+    kc, vc = k_cache.clone(), v_cache.clone()
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq)
+    kr, vr = f64(k_cache), f64(v_cache)
+    qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
+                                        kr, vr, slots, hq)
+    assert q.shape == (t, hq, d) and q.dtype == dtype
+    check(q, qr, dtype)
+    flat = lambda c: c.reshape(-1, hkv, d)   # noqa: E731
+    check(flat(kc)[slots], flat(kr)[slots], dtype)
+    check(flat(vc)[slots], flat(vr)[slots], dtype)
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert torch.equal(flat(kc)[untouched], flat(k_cache)[untouched])     # nothing else written
+    assert torch.equal(flat(vc)[untouched], flat(v_cache)[untouched])
+
+
+def test_qkv_negative_slot_stores_nothing():
+    """Padding tokens (slot -1) still get q, but leave the cache alone."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(7)
+    hidden, _, hq, hkv, d, _ = SHAPES[-1]
+    x = rand(3, hidden, dtype=dtype, gen=gen)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    w = rand((hq + 2 * hkv) * d, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
+    cos_sin = rope_cos_sin(d, 10000.0, 64, device=DEV)
+    positions = torch.tensor([3, 9, 1], device=DEV)
+    k_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    v_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([5, -1, 11], device=DEV)
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq)
+    kr, vr = k_cache.clone().double(), v_cache.clone().double()
+    keep = torch.tensor([0, 2], device=DEV)
+    qr = gemv.norm_qkv_rope_store_torch(f64(x)[keep], f64(g), 1e-5, f64(w), positions[keep],
+                                        cos_sin.double(), kr, vr, slots[keep], hq)
+    check(q[keep], qr, dtype)
+    check(kc.double(), kr, dtype)
+    assert torch.equal(kc.reshape(-1, hkv, d)[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]],
+                       k_cache.reshape(-1, hkv, d)[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]])
+    assert torch.equal(vc.reshape(-1, hkv, d)[[0, 13, 14, 15]], v_cache.reshape(-1, hkv, d)[[0, 13, 14, 15]])
+
+
+def test_forced_paths_agree_and_guard_rows():
+    """fused=True/False pick a path explicitly (the benchmark compares them); too many rows for the
+    fused kernel is an error, not silently wrong output."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(3)
+    x, w, r = rand(4, 96, dtype=dtype, gen=gen), rand(40, 96, dtype=dtype, gen=gen, scale=0.1), rand(4, 40, dtype=dtype, gen=gen)
+    a = gemv.linear_residual_triton(x, w, r, fused=True)
+    b = gemv.linear_residual_triton(x, w, r, fused=False)
+    check(a, b.double(), dtype)
+    with pytest.raises(ValueError, match="at most"):
+        gemv.linear_residual_triton(rand(gemv.MAX_ROWS + 1, 96, dtype=dtype, gen=gen), w,
+                                    rand(gemv.MAX_ROWS + 1, 40, dtype=dtype, gen=gen), fused=True)
