@@ -99,8 +99,8 @@ def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
 
 def tune(ops) -> dict:
     """Best launch config per kernel (ops sharing a kernel are scored by their summed time), in
-    two rounds to keep compiles few: tile shapes (BLOCK_R x BLOCK_K) at 4 warps / 4 stages, then
-    warps x stages around the best tile."""
+    two rounds to keep compiles few: tiles (BLOCK_R x K_SPLIT x BLOCK_K) at 4 warps / 2 stages,
+    then warps x stages around the best tile."""
     tuned = {}
     for key in dict.fromkeys(op["key"] for op in ops.values()):
         group = [op for op in ops.values() if op["key"] == key]
@@ -111,11 +111,14 @@ def tune(ops) -> dict:
             except Exception as e:                # out of shared memory / registers: skip
                 print(f"  skip {cfg}: {type(e).__name__}")
                 return float("inf")
-        rs = (32, 64, 128) if key == "lm_head" else (16, 32)
-        tiles = [dict(BLOCK_R=r, BLOCK_K=k, num_warps=4, num_stages=4) for r in rs for k in (128, 256, 512)]
+        rs = (16, 32, 64) if key == "lm_head" else (8, 16, 32)
+        splits = ((256, 128), (256, 256), (512, 128), (512, 256), (512, 512), (1024, 256),
+                  (1024, 512), (2048, 512))
+        tiles = [dict(BLOCK_R=r, K_SPLIT=ks, BLOCK_K=bk, num_warps=4, num_stages=2)
+                 for r in rs for ks, bk in splits]
         best = min(((score(c), c) for c in tiles), key=lambda t: t[0])
-        rest = [dict(best[1], num_warps=w, num_stages=st) for w in (4, 8) for st in (2, 3, 4, 6)
-                if (w, st) != (4, 4)]
+        rest = [dict(best[1], num_warps=w, num_stages=st) for w in (2, 4, 8) for st in (1, 2, 3)
+                if (w, st) != (4, 2)]
         best = min([best] + [(score(c), c) for c in rest], key=lambda t: t[0])
         tuned[key] = best
         print(f"tune {key}: {best[1]}  {best[0]:.2f} us for {', '.join(n for n, op in ops.items() if op['key'] == key)}")

@@ -22,6 +22,10 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 # (hidden, intermediate, Hq, Hkv, D, vocab): GPU = Llama-3.2-1B; CPU = small and irregular
 SHAPES = [(2048, 8192, 32, 8, 64, 128256)] if GPU else [(200, 344, 6, 2, 32, 1001), (64, 96, 4, 4, 16, 77)]
 ROWS = [1, 5, gemv.MAX_ROWS, gemv.MAX_ROWS + 3]
+# launch configs: the defaults, and small tiles that split K over several programs (split-K with
+# its in-kernel reduction) even at the small CPU shapes; BLOCK_R 8 (M = 1 only, else raised to 16)
+SPLIT = dict(BLOCK_R=8, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=2)
+CONFIGS = {"default": None, "split": SPLIT}
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -48,13 +52,14 @@ def f64(t):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("t", ROWS)
-def test_linear_residual(dtype, shape, t):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_linear_residual(config, dtype, shape, t):
     gen = torch.Generator().manual_seed(t)
     hidden, inter = shape[:2]
     for k, n in [(hidden, hidden), (inter, hidden)]:           # o_proj and down_proj shapes
         x, w = rand(t, k, dtype=dtype, gen=gen), rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
         r = rand(t, n, dtype=dtype, gen=gen)
-        out = gemv.linear_residual_triton(x, w, r)
+        out = gemv.linear_residual_triton(x, w, r, config=CONFIGS[config])
         assert out.shape == (t, n) and out.dtype == dtype
         check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
 
@@ -62,13 +67,14 @@ def test_linear_residual(dtype, shape, t):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("t", ROWS)
-def test_norm_swiglu(dtype, shape, t):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_norm_swiglu(config, dtype, shape, t):
     gen = torch.Generator().manual_seed(10 + t)
     hidden, inter = shape[:2]
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=3.0)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(2 * inter, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
-    out = gemv.norm_swiglu_triton(x, g, 1e-5, w)
+    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, config=CONFIGS[config])
     assert out.shape == (t, inter) and out.dtype == dtype
     check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)), dtype)
 
@@ -76,13 +82,14 @@ def test_norm_swiglu(dtype, shape, t):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("t", ROWS)
-def test_norm_lm_head(dtype, shape, t):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_norm_lm_head(config, dtype, shape, t):
     gen = torch.Generator().manual_seed(20 + t)
     hidden, vocab = shape[0], shape[5]
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=0.5)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(vocab, hidden, dtype=dtype, gen=gen, scale=0.05)
-    out = gemv.norm_lm_head_triton(x, g, 1e-5, w)
+    out = gemv.norm_lm_head_triton(x, g, 1e-5, w, config=CONFIGS[config])
     assert out.shape == (t, vocab) and out.dtype == torch.float32
     ref = gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w))
     check(out, ref, dtype)
@@ -91,7 +98,7 @@ def test_norm_lm_head(dtype, shape, t):
         clear = (top2[:, 0] - top2[:, 1]) > 4 * TOL[dtype] * ref.abs().max()
         assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
     # greedy=True: the in-kernel argmax is exactly torch's argmax of the same logits
-    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True)
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, config=CONFIGS[config])
     assert tokens.dtype == torch.int64 and torch.equal(logits, out)
     assert torch.equal(tokens, out.argmax(-1))
 
@@ -109,7 +116,7 @@ def test_greedy_ties_pick_the_first_index():
     winner = x[0].sign()                                       # aligned with token 0's input
     first, second = 5, vocab - 3
     w[first] = w[second] = winner
-    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True)
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, config=SPLIT)
     assert logits[0, first] == logits[0, second] == logits[0].max()
     assert tokens[0].item() == first
     assert torch.equal(tokens, logits.argmax(-1))
@@ -119,7 +126,8 @@ def test_greedy_ties_pick_the_first_index():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("t", ROWS)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_norm_qkv_rope_store(dtype, shape, t, block_size):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_norm_qkv_rope_store(config, dtype, shape, t, block_size):
     gen = torch.Generator().manual_seed(30 + t + block_size)
     hidden, _, hq, hkv, d, _ = shape
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=2.0)
@@ -132,7 +140,7 @@ def test_norm_qkv_rope_store(dtype, shape, t, block_size):
     v_cache = rand(num_blocks, block_size, hkv, d, dtype=dtype, gen=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)   # scattered slots
     kc, vc = k_cache.clone(), v_cache.clone()
-    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq)
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, config=CONFIGS[config])
     kr, vr = f64(k_cache), f64(v_cache)
     qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
                                         kr, vr, slots, hq)
@@ -161,7 +169,7 @@ def test_qkv_negative_slot_stores_nothing():
     v_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
     kc, vc = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([5, -1, 11], device=DEV)
-    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq)
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, config=SPLIT)
     kr, vr = k_cache.clone().double(), v_cache.clone().double()
     keep = torch.tensor([0, 2], device=DEV)
     qr = gemv.norm_qkv_rope_store_torch(f64(x)[keep], f64(g), 1e-5, f64(w), positions[keep],
@@ -171,6 +179,19 @@ def test_qkv_negative_slot_stores_nothing():
     assert torch.equal(kc.reshape(-1, hkv, d)[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]],
                        k_cache.reshape(-1, hkv, d)[[0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12]])
     assert torch.equal(vc.reshape(-1, hkv, d)[[0, 13, 14, 15]], v_cache.reshape(-1, hkv, d)[[0, 13, 14, 15]])
+
+
+def test_split_k_counters_reset_between_launches():
+    """The split-K counters must be back at zero after every launch: run the same launch again
+    (as a CUDA graph replay would) and get the same, deterministic result."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(11)
+    x, w, r = rand(1, 200, dtype=dtype, gen=gen), rand(50, 200, dtype=dtype, gen=gen, scale=0.1), rand(1, 50, dtype=dtype, gen=gen)
+    first = gemv.linear_residual_triton(x, w, r, config=SPLIT)
+    for _ in range(3):
+        assert torch.equal(gemv.linear_residual_triton(x, w, r, config=SPLIT), first)
+    assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACE.values())
+    check(first, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
 
 
 def test_forced_paths_agree_and_guard_rows():

@@ -46,15 +46,16 @@ from .rope import rope_torch, rope_triton
 
 MAX_ROWS = 16          # the fused kernels take up to this many tokens (one tl.dot tile of rows)
 
-# Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program, BLOCK_K
+# Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
+# K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
 # columns per loop step, warps, software-pipeline stages.
 # `python -m pagedlab.bench_gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG overrides these at import.
 GEMV_CONFIG = {
-    "qkv": dict(BLOCK_R=16, BLOCK_K=256, num_warps=4, num_stages=4),
-    "swiglu": dict(BLOCK_R=16, BLOCK_K=256, num_warps=4, num_stages=4),
-    "residual": dict(BLOCK_R=16, BLOCK_K=256, num_warps=4, num_stages=4),
-    "lm_head": dict(BLOCK_R=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    "qkv": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=256, num_warps=4, num_stages=2),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=256, num_warps=4, num_stages=2),
+    "residual": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=512, num_warps=4, num_stages=2),
+    "lm_head": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=256, num_warps=4, num_stages=2),
 }
 if os.environ.get("PAGEDLAB_GEMV_CONFIG"):
     with open(os.environ["PAGEDLAB_GEMV_CONFIG"]) as f:
@@ -99,76 +100,122 @@ def norm_lm_head_torch(x, norm_w, eps, w, greedy=False):
 
 
 # --------------------------------------------------------------------------------------------
-# the shared loop: acc[M, R] (+ a second accumulator for paired rows) and sum(x^2) per row
+# the shared part: one program's slice of K for its rows, then the split-K reduction
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _mma(x, w, acc, IEEE: tl.constexpr):
-    if IEEE:
-        return acc + tl.dot(x, tl.trans(w), input_precision="ieee")
+def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
+    """acc[M, R] += x[M, K] . w[R, K]^T. One token: multiply and sum (no tensor cores needed, and
+    no shuffling of tiles into their layout); more: a tl.dot with the tokens padded to 16."""
+    if BLOCK_M == 1:
+        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    elif IEEE:
+        return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
     else:
-        return acc + tl.dot(x, tl.trans(w))
+        return acc + tl.dot(x.to(w.dtype), tl.trans(w))
 
 
 @triton.jit
-def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
+def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
+    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
     acc_a = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    wa_ptrs = w_ptr + rows_a[:, None] * K + offs_k[None, :]
-    wb_ptrs = w_ptr + rows_b[:, None] * K + offs_k[None, :]
-    x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            kmask = offs_k < BLOCK_K
-        else:
-            kmask = k0 + offs_k < K
-        x = tl.load(x_ptrs + k0, mask=mmask[:, None] & kmask[None, :], other=0.0)
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + offs_k
+        kmask = cols < k_hi
+        x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
+                    mask=mmask[:, None] & kmask[None, :], other=0.0)
         if HAS_NORM:
             xf = x.to(tl.float32)
             sum_sq += tl.sum(xf * xf, axis=1)
-            g = tl.load(g_ptr + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
+            x = xf * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
         wmask = rmask[:, None] & kmask[None, :]
-        acc_a = _mma(x, tl.load(wa_ptrs + k0, mask=wmask, other=0.0), acc_a, IEEE)
+        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+        acc_a = _partial_dot(x, wa, acc_a, BLOCK_M, IEEE)
         if PAIRED:
-            acc_b = _mma(x, tl.load(wb_ptrs + k0, mask=wmask, other=0.0), acc_b, IEEE)
+            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+            acc_b = _partial_dot(x, wb, acc_b, BLOCK_M, IEEE)
     return acc_a, acc_b, sum_sq
 
 
 @triton.jit
-def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, M, N, K, eps, stride_x, stride_r,
-                   stride_o, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr,
+def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Split-K without a second launch: every program of a row block writes its partial sums to a
+    workspace and bumps the block's counter (atomic, release: the partials are visible first).
+    The program that bumps it last adds the partials up -- in split order, so the result does
+    not depend on which program finished first -- resets the counter for the next launch, and
+    alone goes on to the epilogue. Returns (is_last, acc_a, acc_b, sum_sq)."""
+    TILE: tl.constexpr = BLOCK_M * BLOCK_R
+    PER_SPLIT: tl.constexpr = 2 * TILE + BLOCK_M
+    block = tl.program_id(0)
+    base = ws_ptr + block.to(tl.int64) * (SPLITS * PER_SPLIT)
+    offs_m = tl.arange(0, BLOCK_M)
+    tile = offs_m[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    mine = base + tl.program_id(1) * PER_SPLIT
+    tl.store(mine + tile, acc_a)
+    if PAIRED:
+        tl.store(mine + TILE + tile, acc_b)
+    tl.store(mine + 2 * TILE + offs_m, sum_sq)
+    arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
+    last = arrived == SPLITS - 1
+    if last:
+        acc_a = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
+            part = base + s * PER_SPLIT
+            acc_a += tl.load(part + tile, cache_modifier=".cg")
+            if PAIRED:
+                acc_b += tl.load(part + TILE + tile, cache_modifier=".cg")
+            sum_sq += tl.load(part + 2 * TILE + offs_m, cache_modifier=".cg")
+        tl.atomic_xchg(cnt_ptr + block, 0)
+    return last, acc_a, acc_b, sum_sq
+
+
+@triton.jit
+def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_ptr, M, N, K, k_split,
+                   eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr):
+                   IEEE: tl.constexpr, IDX64: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
-    acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K,
-                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)
-    if HAS_NORM:
-        acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-    offs_m = tl.arange(0, BLOCK_M)
-    omask = (offs_m < M)[:, None] & rmask[None, :]
-    if HAS_RESIDUAL:
-        acc += tl.load(r_ptr + offs_m[:, None] * stride_r + rows[None, :], mask=omask,
-                       other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_o + rows[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=omask)
-    if ARGMAX:
-        # greedy decoding: this program's best row per token, as (value, index) partials
-        # best [2, M, programs] fp32; _argmax_merge_kernel picks the winner
-        vals = tl.where(rmask[None, :], acc, float("-inf"))
-        best = tl.max(vals, axis=1)
-        idx = tl.argmax(vals, axis=1) + tl.program_id(0) * BLOCK_R
-        slot = offs_m * tl.num_programs(0) + tl.program_id(0)
-        tl.store(best_ptr + slot, best, mask=offs_m < M)
-        tl.store(best_ptr + M * tl.num_programs(0) + slot, idx.to(tl.float32), mask=offs_m < M)
+    acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split,
+                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+    if SPLITS > 1:
+        last, acc, _, sum_sq = _gather_splits(acc, acc, sum_sq, ws_ptr, cnt_ptr, False, SPLITS,
+                                              BLOCK_M, BLOCK_R)
+    else:
+        last = True
+    if last:
+        if HAS_NORM:
+            acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
+        offs_m = tl.arange(0, BLOCK_M)
+        omask = (offs_m < M)[:, None] & rmask[None, :]
+        if HAS_RESIDUAL:
+            acc += tl.load(r_ptr + offs_m[:, None] * stride_r + rows[None, :], mask=omask,
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_m[:, None] * stride_o + rows[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=omask)
+        if ARGMAX:
+            # greedy decoding: this row block's best row per token, as (value, index) partials
+            # in best [2, M, row blocks] fp32; _argmax_merge_kernel picks the winner
+            vals = tl.where(rmask[None, :], acc, float("-inf"))
+            best = tl.max(vals, axis=1)
+            idx = tl.argmax(vals, axis=1) + tl.program_id(0) * BLOCK_R
+            at = offs_m * tl.num_programs(0) + tl.program_id(0)
+            tl.store(best_ptr + at, best, mask=offs_m < M)
+            tl.store(best_ptr + M * tl.num_programs(0) + at, idx.to(tl.float32), mask=offs_m < M)
 
 
 @triton.jit
@@ -176,34 +223,40 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr):
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     vals = tl.load(best_ptr + m * P + offs, mask=offs < P, other=float("-inf"))
-    win = tl.argmax(vals, axis=0)        # ties: the first program, whose index is the smaller
+    win = tl.argmax(vals, axis=0)        # ties: the first block, whose index is the smaller
     idx = tl.load(best_ptr + M * P + m * P + win)
     tl.store(tok_ptr + m, idx.to(tl.int64))
 
 
 @triton.jit
-def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, INTER, K, eps, stride_x, stride_o,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, IEEE: tl.constexpr):
+def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
+                   stride_x, stride_o, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
     gate, up, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K,
-                                    True, True, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)
-    inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-    gate = gate * inv_rms
-    out = gate / (1.0 + tl.exp(-gate)) * (up * inv_rms)
-    offs_m = tl.arange(0, BLOCK_M)
-    tl.store(out_ptr + offs_m[:, None] * stride_o + rows[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & rmask[None, :])
+                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+    if SPLITS > 1:
+        last, gate, up, sum_sq = _gather_splits(gate, up, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
+                                                BLOCK_M, BLOCK_R)
+    else:
+        last = True
+    if last:
+        inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
+        gate = gate * inv_rms
+        out = gate / (1.0 + tl.exp(-gate)) * (up * inv_rms)
+        offs_m = tl.arange(0, BLOCK_M)
+        tl.store(out_ptr + offs_m[:, None] * stride_o + rows[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & rmask[None, :])
 
 
 @triton.jit
 def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
-                           M, K, eps, stride_x,
+                           ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                           EVEN_K: tl.constexpr, IEEE: tl.constexpr):
-    # Output heads are stacked q (HQ), k (HKV), v (HKV). Each program takes BLOCK_R pairs
+                           SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     HALF: tl.constexpr = D // 2
     PER_HEAD: tl.constexpr = (HALF + BLOCK_R - 1) // BLOCK_R
@@ -212,47 +265,76 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     imask = i < HALF
     rows = head * D + i
     a, b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K,
-                                True, True, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, IEEE)
-    inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-    a = a * inv_rms
-    b = b * inv_rms
-    offs_m = tl.arange(0, BLOCK_M)
-    mmask = offs_m < M
-    omask = mmask[:, None] & imask[None, :]
-    if head < HQ + HKV:                                     # q and k heads: rotate the pairs
-        pos = tl.load(pos_ptr + offs_m, mask=mmask, other=0)
-        cs = cs_ptr + pos[:, None] * D + i[None, :]          # cos_sin [max_pos, D] = cos | sin
-        cos = tl.load(cs, mask=omask, other=0.0)
-        sin = tl.load(cs + HALF, mask=omask, other=0.0)
-        a, b = a * cos - b * sin, b * cos + a * sin
-    if head < HQ:
-        dst = q_ptr + offs_m[:, None] * (HQ * D) + rows[None, :]
-        tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=omask)
-        tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=omask)
+                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+    if SPLITS > 1:
+        last, a, b, sum_sq = _gather_splits(a, b, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
+                                            BLOCK_M, BLOCK_R)
     else:
-        slot = tl.load(slot_ptr + offs_m, mask=mmask, other=-1).to(tl.int64)
-        smask = omask & (slot >= 0)[:, None]                 # a negative slot stores nothing
-        if head < HQ + HKV:
-            dst = kc_ptr + (slot * HKV + (head - HQ))[:, None] * D + i[None, :]
-            tl.store(dst, a.to(kc_ptr.dtype.element_ty), mask=smask)
-            tl.store(dst + HALF, b.to(kc_ptr.dtype.element_ty), mask=smask)
+        last = True
+    if last:
+        inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
+        a = a * inv_rms
+        b = b * inv_rms
+        offs_m = tl.arange(0, BLOCK_M)
+        mmask = offs_m < M
+        omask = mmask[:, None] & imask[None, :]
+        if head < HQ + HKV:                                 # q and k heads: rotate the pairs
+            pos = tl.load(pos_ptr + offs_m, mask=mmask, other=0)
+            cs = cs_ptr + pos[:, None] * D + i[None, :]      # cos_sin [max_pos, D] = cos | sin
+            cos = tl.load(cs, mask=omask, other=0.0)
+            sin = tl.load(cs + HALF, mask=omask, other=0.0)
+            a, b = a * cos - b * sin, b * cos + a * sin
+        if head < HQ:
+            dst = q_ptr + offs_m[:, None] * (HQ * D) + rows[None, :]
+            tl.store(dst, a.to(q_ptr.dtype.element_ty), mask=omask)
+            tl.store(dst + HALF, b.to(q_ptr.dtype.element_ty), mask=omask)
         else:
-            dst = vc_ptr + (slot * HKV + (head - HQ - HKV))[:, None] * D + i[None, :]
-            tl.store(dst, a.to(vc_ptr.dtype.element_ty), mask=smask)
-            tl.store(dst + HALF, b.to(vc_ptr.dtype.element_ty), mask=smask)
+            slot = tl.load(slot_ptr + offs_m, mask=mmask, other=-1).to(tl.int64)
+            smask = omask & (slot >= 0)[:, None]             # a negative slot stores nothing
+            if head < HQ + HKV:
+                dst = kc_ptr + (slot * HKV + (head - HQ))[:, None] * D + i[None, :]
+                tl.store(dst, a.to(kc_ptr.dtype.element_ty), mask=smask)
+                tl.store(dst + HALF, b.to(kc_ptr.dtype.element_ty), mask=smask)
+            else:
+                dst = vc_ptr + (slot * HKV + (head - HQ - HKV))[:, None] * D + i[None, :]
+                tl.store(dst, a.to(vc_ptr.dtype.element_ty), mask=smask)
+                tl.store(dst + HALF, b.to(vc_ptr.dtype.element_ty), mask=smask)
 
 
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
+_WORKSPACE: dict = {}
+
+
+def _plan(x, k, row_blocks, cfg):
+    """(grid, kernel keyword arguments, workspace, counters) for one launch. The split-K
+    workspace and the counters (zero between launches) are allocated once per shape and reused,
+    so the launch can live in a CUDA graph."""
+    t = x.shape[0]
+    block_m = 1 if t == 1 else 16
+    block_r = cfg["BLOCK_R"] if block_m == 1 else max(16, cfg["BLOCK_R"])   # tl.dot needs >= 16
+    block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    row_blocks = row_blocks(block_r)
+    ws = cnt = x
+    if splits > 1:
+        key = (x.device, block_m, block_r, row_blocks, splits)
+        if key not in _WORKSPACE:
+            _WORKSPACE[key] = (
+                torch.empty(row_blocks * splits * (2 * block_m * block_r + block_m),
+                            dtype=torch.float32, device=x.device),
+                torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
+        ws, cnt = _WORKSPACE[key]
+    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+                  IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    return (row_blocks, splits), kwargs, ws, cnt, k_split
+
+
 def _rows2d(x):
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _common(x, k, cfg):
-    return dict(BLOCK_M=16, BLOCK_R=cfg["BLOCK_R"], BLOCK_K=cfg["BLOCK_K"],
-                EVEN_K=k % cfg["BLOCK_K"] == 0, IEEE=x.dtype == torch.float32,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _use_fused(x, fused) -> bool:
@@ -274,13 +356,13 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and w.is_contiguous()
     assert cos_sin.is_contiguous() and cos_sin.shape[1] == d
-    cfg = config or GEMV_CONFIG["qkv"]
     x = _rows2d(x)
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
-    per_head = triton.cdiv(d // 2, cfg["BLOCK_R"])
-    _qkv_rope_store_kernel[((num_heads + 2 * hkv) * per_head,)](
-        x, norm_w, w, q, k_cache, v_cache, positions, cos_sin, slot_mapping, t, k, eps, x.stride(0),
-        HQ=num_heads, HKV=hkv, D=d, **_common(x, k, cfg))
+    grid, kw, ws, cnt, k_split = _plan(
+        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config or GEMV_CONFIG["qkv"])
+    _qkv_rope_store_kernel[grid](x, norm_w, w, q, k_cache, v_cache, positions, cos_sin, slot_mapping,
+                                 ws, cnt, t, k, k_split, eps, x.stride(0), HQ=num_heads, HKV=hkv,
+                                 D=d, **kw)
     return q
 
 
@@ -293,7 +375,7 @@ def linear_residual_triton(x, w, residual, config=None, fused=None):
 
 def norm_lm_head_triton(x, norm_w, eps, w, config=None, fused=None, greedy=False):
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
-    taken inside the fused kernel (per-program partials + one tiny merge launch)."""
+    taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
     if not _use_fused(x, fused):
         logits = F.linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
@@ -308,16 +390,16 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, greedy=False):
     x = _rows2d(x)
     out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     r = _rows2d(residual) if residual is not None else out
-    programs = triton.cdiv(n, cfg["BLOCK_R"])
-    best = torch.empty((2, t, programs), dtype=torch.float32, device=x.device) if greedy else out
-    _linear_kernel[(programs,)](
-        x, norm_w if norm_w is not None else w, w, r, out, best, t, n, k, eps, x.stride(0),
-        r.stride(0), out.stride(0), HAS_NORM=norm_w is not None, HAS_RESIDUAL=residual is not None,
-        ARGMAX=greedy, IDX64=w.numel() >= 2 ** 31, **_common(x, k, cfg))
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg)
+    best = torch.empty((2, t, grid[0]), dtype=torch.float32, device=x.device) if greedy else out
+    _linear_kernel[grid](
+        x, norm_w if norm_w is not None else w, w, r, out, best, ws, cnt, t, n, k, k_split, eps,
+        x.stride(0), r.stride(0), out.stride(0), HAS_NORM=norm_w is not None,
+        HAS_RESIDUAL=residual is not None, ARGMAX=greedy, IDX64=w.numel() >= 2 ** 31, **kw)
     if not greedy:
         return out
     tokens = torch.empty(t, dtype=torch.int64, device=x.device)
-    _argmax_merge_kernel[(t,)](best, tokens, t, programs, BLOCK_P=triton.next_power_of_2(programs),
+    _argmax_merge_kernel[(t,)](best, tokens, t, grid[0], BLOCK_P=triton.next_power_of_2(grid[0]),
                                num_warps=4)
     return out, tokens
 
@@ -329,9 +411,10 @@ def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=None, fused=None):
     t, k = x.shape
     inter = w_gate_up.shape[0] // 2
     assert w_gate_up.is_contiguous()
-    cfg = config or GEMV_CONFIG["swiglu"]
     x = _rows2d(x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    _swiglu_kernel[(triton.cdiv(inter, cfg["BLOCK_R"]),)](
-        x, norm_w, w_gate_up, out, t, inter, k, eps, x.stride(0), out.stride(0), **_common(x, k, cfg))
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r),
+                                       config or GEMV_CONFIG["swiglu"])
+    _swiglu_kernel[grid](x, norm_w, w_gate_up, out, ws, cnt, t, inter, k, k_split, eps, x.stride(0),
+                         out.stride(0), **kw)
     return out
