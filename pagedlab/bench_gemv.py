@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 HIDDEN, INTER, HQ, HKV, D, VOCAB = 2048, 8192, 32, 8, 64, 128256
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8)
 MIN_BYTES = 256 << 20
 
 

@@ -21,7 +21,7 @@ DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 # (hidden, intermediate, Hq, Hkv, D, vocab): GPU = Llama-3.2-1B; CPU = small and irregular
 SHAPES = [(2048, 8192, 32, 8, 64, 128256)] if GPU else [(200, 344, 6, 2, 32, 1001), (64, 96, 4, 4, 16, 77)]
-ROWS = [1, 5, gemv.MAX_ROWS, gemv.MAX_ROWS + 3]
+ROWS = [1, 3, gemv.MAX_ROWS, gemv.MAX_ROWS + 3]   # fused kernel up to MAX_ROWS, then composed
 # launch configs: the defaults, and small tiles that split K over several programs (split-K with
 # its in-kernel reduction) even at the small CPU shapes; BLOCK_R 8 (M = 1 only, else raised to 16)
 SPLIT = dict(BLOCK_R=8, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=2)
@@ -59,7 +59,7 @@ def test_linear_residual(config, dtype, shape, t):
     for k, n in [(hidden, hidden), (inter, hidden)]:           # o_proj and down_proj shapes
         x, w = rand(t, k, dtype=dtype, gen=gen), rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
         r = rand(t, n, dtype=dtype, gen=gen)
-        out = gemv.linear_residual_triton(x, w, r, config=CONFIGS[config])
+        out = gemv.linear_residual_triton(x, w, r, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
         assert out.shape == (t, n) and out.dtype == dtype
         check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
 
@@ -74,7 +74,7 @@ def test_norm_swiglu(config, dtype, shape, t):
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=3.0)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(2 * inter, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
-    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, config=CONFIGS[config])
+    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
     assert out.shape == (t, inter) and out.dtype == dtype
     check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)), dtype)
 
@@ -89,7 +89,7 @@ def test_norm_lm_head(config, dtype, shape, t):
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=0.5)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(vocab, hidden, dtype=dtype, gen=gen, scale=0.05)
-    out = gemv.norm_lm_head_triton(x, g, 1e-5, w, config=CONFIGS[config])
+    out = gemv.norm_lm_head_triton(x, g, 1e-5, w, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
     assert out.shape == (t, vocab) and out.dtype == torch.float32
     ref = gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w))
     check(out, ref, dtype)
@@ -98,7 +98,7 @@ def test_norm_lm_head(config, dtype, shape, t):
         clear = (top2[:, 0] - top2[:, 1]) > 4 * TOL[dtype] * ref.abs().max()
         assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
     # greedy=True: the in-kernel argmax is exactly torch's argmax of the same logits
-    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, config=CONFIGS[config])
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
     assert tokens.dtype == torch.int64 and torch.equal(logits, out)
     assert torch.equal(tokens, out.argmax(-1))
 
@@ -140,7 +140,7 @@ def test_norm_qkv_rope_store(config, dtype, shape, t, block_size):
     v_cache = rand(num_blocks, block_size, hkv, d, dtype=dtype, gen=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)   # scattered slots
     kc, vc = k_cache.clone(), v_cache.clone()
-    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, config=CONFIGS[config])
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
     kr, vr = f64(k_cache), f64(v_cache)
     qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
                                         kr, vr, slots, hq)

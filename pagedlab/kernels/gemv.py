@@ -1,6 +1,6 @@
 """Decode-time linear layers: matrix-vector products with their neighbours fused in.
 
-When only a few tokens are in a step (decode at small batch: M <= MAX_ROWS rows), every matmul of
+When only a few tokens are in a step (decode at batch 1 or a few), every matmul of
 a Llama layer is a matrix-vector product. It reads the whole weight matrix to do 2*M*N*K flops, so
 it is bound by memory bandwidth; and the small ops around it (RMSNorm before, RoPE, K/V store,
 SwiGLU, the residual add after) cost mostly launch latency. So each kernel below streams one weight
@@ -20,14 +20,18 @@ Two tricks make the fusion free:
     head, offset D/2; SwiGLU: gate row r and up row r, offset I). A program computes PAIRS of rows
     (two accumulators over the same x tile) and combines them before storing.
 
-Each program owns BLOCK_R output rows (or row pairs) for all M tokens and loops over K in BLOCK_K
-tiles: acc[M, R] += x[M, K_tile] . W[R, K_tile]^T, a tl.dot with M padded to 16 (tensor cores; the
-padding rows are masked loads, they cost no memory traffic).
+Each program owns BLOCK_R output rows (or row pairs) and a K_SPLIT-wide slice of K: it multiplies
+its weight tile by x and sums (plain fp32 FMAs: at one token there is nothing for tensor cores to
+do). Splitting K gives enough programs to keep every SM's memory pipe busy even for the small
+matrices (QKV, O); the programs of a row block add their partial sums up inside the same launch
+(the last one to finish does it, in a fixed order, see _gather_splits). On Hopper, each kernel is
+launched with programmatic dependent launch: it starts while the previous kernel finishes, loads
+its first weight tile (weights never depend on the previous kernel) and only then waits for x.
 
 Every function has a `*_torch` version (the plain composition of the reference kernels: the CPU
-path and the test oracle) and a `*_triton` launcher that runs the fused kernel for up to MAX_ROWS
-tokens and, above that (prefill, large decode batches, where cuBLAS matmuls are compute-efficient),
-the composition of the unfused Triton kernels with cuBLAS.
+path and the test oracle) and a `*_triton` launcher that runs the fused kernel for up to FUSE_UP_TO
+tokens and, above that (prefill, decode batches, where cuBLAS's tensor-core matmuls win), the
+composition of the unfused Triton kernels with cuBLAS.
 """
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ from .kv_store import kv_store_torch, kv_store_triton
 from .rmsnorm import rms_norm_torch, rms_norm_triton
 from .rope import rope_torch, rope_triton
 
-MAX_ROWS = 16          # the fused kernels take up to this many tokens (one tl.dot tile of rows)
+MAX_ROWS = 16          # the fused kernels handle up to this many tokens...
+FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured by bench_gemv,
+                       # with more tokens cuBLAS's tensor-core matmuls win
 
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
@@ -103,23 +109,26 @@ def norm_lm_head_torch(x, norm_w, eps, w, greedy=False):
 # the shared part: one program's slice of K for its rows, then the split-K reduction
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr, IEEE: tl.constexpr):
-    """acc[M, R] += x[M, K] . w[R, K]^T. One token: multiply and sum (no tensor cores needed, and
-    no shuffling of tiles into their layout); more: a tl.dot with the tokens padded to 16."""
+def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
+    """acc[M, R] += x[M, K] . w[R, K]^T as multiply-and-sum in fp32: no tensor cores, and no
+    reshuffling of the weight tile into a matmul layout -- it is used exactly as it was loaded."""
     if BLOCK_M == 1:
-        return acc + tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    elif IEEE:
-        return acc + tl.dot(x.to(w.dtype), tl.trans(w), input_precision="ieee")
+        return acc + tl.sum(w.to(tl.float32) * x, axis=1)[None, :]          # x [1, K] broadcasts
     else:
-        return acc + tl.dot(x.to(w.dtype), tl.trans(w))
+        return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
-    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token."""
+    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
+
+    The weights do not depend on the kernel before this one -- only x does. So each program
+    loads its first weight tile, THEN waits for the previous kernel (programmatic dependent
+    launch, Hopper+: this kernel is launched while the previous one is still finishing), then
+    streams on, always fetching the next tile before using the current one."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -128,21 +137,31 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    wa_ptrs = w_ptr + rows_a[:, None] * K + offs_k[None, :]
+    wb_ptrs = w_ptr + rows_b[:, None] * K + offs_k[None, :]
+    wmask = rmask[:, None] & (k_lo + offs_k < k_hi)[None, :]
+    wa = tl.load(wa_ptrs + k_lo, mask=wmask, other=0.0)
+    wb = wa
+    if PAIRED:
+        wb = tl.load(wb_ptrs + k_lo, mask=wmask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()     # the next kernel may start fetching its weights
+        tl.extra.cuda.gdc_wait()                  # the previous kernel's output (x) is complete
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         kmask = cols < k_hi
         x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
-                    mask=mmask[:, None] & kmask[None, :], other=0.0)
+                    mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         if HAS_NORM:
-            xf = x.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=1)
-            x = xf * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        wmask = rmask[:, None] & kmask[None, :]
-        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-        acc_a = _partial_dot(x, wa, acc_a, BLOCK_M, IEEE)
+            sum_sq += tl.sum(x * x, axis=1)
+            x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc_a = _partial_dot(x, wa, acc_a, BLOCK_M)
         if PAIRED:
-            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-            acc_b = _partial_dot(x, wb, acc_b, BLOCK_M, IEEE)
+            acc_b = _partial_dot(x, wb, acc_b, BLOCK_M)
+        wmask = rmask[:, None] & (cols + BLOCK_K < k_hi)[None, :]       # next tile (none at the end)
+        wa = tl.load(wa_ptrs + k0 + BLOCK_K, mask=wmask, other=0.0)
+        if PAIRED:
+            wb = tl.load(wb_ptrs + k0 + BLOCK_K, mask=wmask, other=0.0)
     return acc_a, acc_b, sum_sq
 
 
@@ -186,12 +205,12 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_pt
                    eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IEEE: tl.constexpr, IDX64: tl.constexpr):
+                   USE_PDL: tl.constexpr, IDX64: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
     acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split,
-                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
     if SPLITS > 1:
         last, acc, _, sum_sq = _gather_splits(acc, acc, sum_sq, ws_ptr, cnt_ptr, False, SPLITS,
                                               BLOCK_M, BLOCK_R)
@@ -231,11 +250,11 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr):
 @triton.jit
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
     gate, up, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K,
-                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
     if SPLITS > 1:
         last, gate, up, sum_sq = _gather_splits(gate, up, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                                 BLOCK_M, BLOCK_R)
@@ -255,7 +274,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
                            ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     HALF: tl.constexpr = D // 2
@@ -265,7 +284,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     imask = i < HALF
     rows = head * D + i
     a, b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K,
-                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, IEEE)
+                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
     if SPLITS > 1:
         last, a, b, sum_sq = _gather_splits(a, b, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                             BLOCK_M, BLOCK_R)
@@ -305,16 +324,25 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
 # launchers
 # --------------------------------------------------------------------------------------------
 _WORKSPACE: dict = {}
+_PDL: dict = {}
+
+
+def _use_pdl(device) -> bool:
+    """Programmatic dependent launch: CUDA on Hopper or newer (compute capability >= 9)."""
+    key = (device.type, device.index)
+    if key not in _PDL:
+        _PDL[key] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return _PDL[key]
 
 
 def _plan(x, k, row_blocks, cfg):
-    """(grid, kernel keyword arguments, workspace, counters) for one launch. The split-K
-    workspace and the counters (zero between launches) are allocated once per shape and reused,
-    so the launch can live in a CUDA graph."""
-    t = x.shape[0]
-    block_m = 1 if t == 1 else 16
-    block_r = cfg["BLOCK_R"] if block_m == 1 else max(16, cfg["BLOCK_R"])   # tl.dot needs >= 16
+    """(grid, kernel keyword arguments, workspace, counters, k_split) for one launch. The
+    split-K workspace and the counters (zero between launches) are allocated once per shape and
+    reused, so the launch can live in a CUDA graph."""
+    block_m = triton.next_power_of_2(x.shape[0])
+    block_r = cfg["BLOCK_R"]
     block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
+    block_k = max(16, min(block_k, 8192 // (block_m * block_r)))    # the M x R x K product fits
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
@@ -327,9 +355,11 @@ def _plan(x, k, row_blocks, cfg):
                             dtype=torch.float32, device=x.device),
                 torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
         ws, cnt = _WORKSPACE[key]
-    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                  IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
+    pdl = _use_pdl(x.device)
+    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, USE_PDL=pdl,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if pdl:
+        kwargs["launch_pdl"] = True
     return (row_blocks, splits), kwargs, ws, cnt, k_split
 
 
@@ -338,9 +368,9 @@ def _rows2d(x):
 
 
 def _use_fused(x, fused) -> bool:
-    """fused=None: the fused kernel for 1..MAX_ROWS tokens; True/False forces a path."""
+    """fused=None: the fused kernel for 1..FUSE_UP_TO tokens; True/False forces a path."""
     if fused is None:
-        return 0 < x.shape[0] <= MAX_ROWS
+        return 0 < x.shape[0] <= FUSE_UP_TO
     if fused and x.shape[0] > MAX_ROWS:
         raise ValueError(f"the fused kernels take at most {MAX_ROWS} rows, got {x.shape[0]}")
     return fused and x.shape[0] > 0
