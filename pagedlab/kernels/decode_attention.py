@@ -178,16 +178,13 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_p
                        max_blocks, split_len,
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr,
-                       TRIGGER: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr):
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if TRIGGER:     # let the next kernel (the O projection) launch and prefetch its weights
-        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(sl_ptr + b)
     if NUM_SPLITS > 1:
         # Split THIS sequence's context evenly (whole BLOCK_N tiles): a short sequence uses only
@@ -252,10 +249,8 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_p
 @triton.jit
 def _decode_merge_kernel(o_ptr, ml_ptr, acc_ptr, sl_ptr, HQ: tl.constexpr, D: tl.constexpr,
                          BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_N: tl.constexpr, TRIGGER: tl.constexpr):
+                         BLOCK_N: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)              # row of out [B*Hq, D]
-    if TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(sl_ptr + r // HQ)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len, tl.maximum(split_len, 1))     # splits that wrote a partial result
@@ -288,12 +283,6 @@ def _sm_count(device: torch.device) -> int:
         else:
             _SM_COUNT[key] = 4
     return _SM_COUNT[key]
-
-
-def _pdl(device: torch.device) -> bool:
-    """Hopper or newer: a kernel launched after ours with programmatic dependent launch (the fused
-    linear layers, kernels/gemv.py) may start early; ours says so as soon as it starts."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
@@ -369,13 +358,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             block_table.shape[1], 1 << 30,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-            IDX64=k_cache.numel() >= 2 ** 31, TRIGGER=_pdl(q.device), num_warps=cfg["num_warps"],
+            IDX64=k_cache.numel() >= 2 ** 31, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
         if splits > 1:
             _decode_merge_kernel[(b * hq,)](out, ml_buf, acc_buf, seq_lens, HQ=hq, D=d,
                                             BLOCK_D=block_d, NUM_SPLITS=splits,
                                             BLOCK_S=triton.next_power_of_2(splits), BLOCK_N=block_n,
-                                            TRIGGER=_pdl(q.device), num_warps=1)
+                                            num_warps=1)
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),

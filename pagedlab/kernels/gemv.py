@@ -24,9 +24,7 @@ Each program owns BLOCK_R output rows (or row pairs) and a K_SPLIT-wide slice of
 its weight tile by x and sums (plain fp32 FMAs: at one token there is nothing for tensor cores to
 do). Splitting K gives enough programs to keep every SM's memory pipe busy even for the small
 matrices (QKV, O); the programs of a row block add their partial sums up inside the same launch
-(the last one to finish does it, in a fixed order, see _gather_splits). On Hopper, each kernel is
-launched with programmatic dependent launch: it starts while the previous kernel finishes, loads
-its first weight tile (weights never depend on the previous kernel) and only then waits for x.
+(the last one to finish does it, in a fixed order, see _gather_splits).
 
 Every function has a `*_torch` version (the plain composition of the reference kernels: the CPU
 path and the test oracle) and a `*_triton` launcher that runs the fused kernel for up to FUSE_UP_TO
@@ -57,11 +55,11 @@ FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured 
 # columns per loop step, warps, software-pipeline stages.
 # `python -m pagedlab.bench_gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG overrides these at import.
-GEMV_CONFIG = {
-    "qkv": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=256, num_warps=4, num_stages=2),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=256, num_warps=4, num_stages=2),
-    "residual": dict(BLOCK_R=16, K_SPLIT=512, BLOCK_K=512, num_warps=4, num_stages=2),
-    "lm_head": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=256, num_warps=4, num_stages=2),
+GEMV_CONFIG = {       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1),
 }
 if os.environ.get("PAGEDLAB_GEMV_CONFIG"):
     with open(os.environ["PAGEDLAB_GEMV_CONFIG"]) as f:
@@ -121,14 +119,9 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 @triton.jit
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
-    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
-
-    The weights do not depend on the kernel before this one -- only x does. So each program
-    loads its first weight tile, THEN waits for the previous kernel (programmatic dependent
-    launch, Hopper+: this kernel is launched while the previous one is still finishing), then
-    streams on, always fetching the next tile before using the current one."""
+    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -137,16 +130,6 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    wa_ptrs = w_ptr + rows_a[:, None] * K + offs_k[None, :]
-    wb_ptrs = w_ptr + rows_b[:, None] * K + offs_k[None, :]
-    wmask = rmask[:, None] & (k_lo + offs_k < k_hi)[None, :]
-    wa = tl.load(wa_ptrs + k_lo, mask=wmask, other=0.0)
-    wb = wa
-    if PAIRED:
-        wb = tl.load(wb_ptrs + k_lo, mask=wmask, other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()     # the next kernel may start fetching its weights
-        tl.extra.cuda.gdc_wait()                  # the previous kernel's output (x) is complete
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         kmask = cols < k_hi
@@ -155,13 +138,12 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
         if HAS_NORM:
             sum_sq += tl.sum(x * x, axis=1)
             x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        wmask = rmask[:, None] & kmask[None, :]
+        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
         acc_a = _partial_dot(x, wa, acc_a, BLOCK_M)
         if PAIRED:
+            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
             acc_b = _partial_dot(x, wb, acc_b, BLOCK_M)
-        wmask = rmask[:, None] & (cols + BLOCK_K < k_hi)[None, :]       # next tile (none at the end)
-        wa = tl.load(wa_ptrs + k0 + BLOCK_K, mask=wmask, other=0.0)
-        if PAIRED:
-            wb = tl.load(wb_ptrs + k0 + BLOCK_K, mask=wmask, other=0.0)
     return acc_a, acc_b, sum_sq
 
 
@@ -205,12 +187,12 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_pt
                    eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, IDX64: tl.constexpr):
+                   IDX64: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
     acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split,
-                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
+                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K)
     if SPLITS > 1:
         last, acc, _, sum_sq = _gather_splits(acc, acc, sum_sq, ws_ptr, cnt_ptr, False, SPLITS,
                                               BLOCK_M, BLOCK_R)
@@ -250,11 +232,11 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr):
 @triton.jit
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
     gate, up, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K,
-                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
+                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K)
     if SPLITS > 1:
         last, gate, up, sum_sq = _gather_splits(gate, up, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                                 BLOCK_M, BLOCK_R)
@@ -274,7 +256,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
                            ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     HALF: tl.constexpr = D // 2
@@ -284,7 +266,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     imask = i < HALF
     rows = head * D + i
     a, b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K,
-                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, USE_PDL)
+                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K)
     if SPLITS > 1:
         last, a, b, sum_sq = _gather_splits(a, b, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                             BLOCK_M, BLOCK_R)
@@ -324,15 +306,6 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
 # launchers
 # --------------------------------------------------------------------------------------------
 _WORKSPACE: dict = {}
-_PDL: dict = {}
-
-
-def _use_pdl(device) -> bool:
-    """Programmatic dependent launch: CUDA on Hopper or newer (compute capability >= 9)."""
-    key = (device.type, device.index)
-    if key not in _PDL:
-        _PDL[key] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-    return _PDL[key]
 
 
 def _plan(x, k, row_blocks, cfg):
@@ -355,11 +328,8 @@ def _plan(x, k, row_blocks, cfg):
                             dtype=torch.float32, device=x.device),
                 torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
         ws, cnt = _WORKSPACE[key]
-    pdl = _use_pdl(x.device)
-    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, USE_PDL=pdl,
+    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if pdl:
-        kwargs["launch_pdl"] = True
     return (row_blocks, splits), kwargs, ws, cnt, k_split
 
 
