@@ -1,4 +1,4 @@
-"""Command line: python -m pagedlab demo | generate | bench kernels | bench engine"""
+"""Command line: python -m pagedlab demo | generate | bench kernels | bench engine | bench gemv"""
 from __future__ import annotations
 
 import argparse
@@ -72,8 +72,8 @@ def main(argv=None) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
-    b = sub.add_parser("bench", help="benchmarks: kernels | engine")
-    b.add_argument("what", choices=["kernels", "engine"])
+    b = sub.add_parser("bench", help="benchmarks: kernels | engine | gemv")
+    b.add_argument("what", choices=["kernels", "engine", "gemv"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
 
     args = p.parse_args(argv)

@@ -1,14 +1,14 @@
-"""Benchmark the decode-time linear layers (kernels/gemv.py): `python -m pagedlab.bench_gemv`.
+"""Benchmark the decode-time linear layers (kernels/gemv.py): `python -m pagedlab bench gemv`.
 
-For each weight matrix of a Llama-3.2-1B layer (and the LM head) at M = 1..16 tokens: the fused
+For each weight matrix of a Llama-3.2-1B layer (and the LM head) at M = 1, 2, 4, 8 tokens: the fused
 Triton kernel against the unfused composition it replaces (RMSNorm / RoPE / K-V store / SwiGLU
 kernels around a cuBLAS matmul), both replayed from a CUDA graph as in the engine. The graph runs
-the op over enough COPIES of the weight matrix (>= 256 MB, four times the H200's L2) that every
+the op over enough COPIES of the weight matrix (>= 256 MB, several times the L2) that every
 call reads its weights from DRAM, like consecutive layers do. Reports microseconds per call and
 the weight read rate (weight bytes / time) beside the device's copy bandwidth from the same run.
 
-    python -m pagedlab.bench_gemv                 # table + JSON (+ figures/gemv_bench.png)
-    python -m pagedlab.bench_gemv --tune          # also sweep launch configs; writes the best as
+    python -m pagedlab bench gemv                 # table + JSON (+ figures/gemv_bench.png)
+    python -m pagedlab bench gemv --tune          # also sweep launch configs; writes the best as
                                                   # JSON, usable via PAGEDLAB_GEMV_CONFIG=<file>
 """
 from __future__ import annotations
@@ -128,13 +128,13 @@ def tune(ops) -> dict:
 def main(argv=None):
     from .bench_engine import copy_bandwidth
     from .kernels import gemv
-    ap = argparse.ArgumentParser(prog="pagedlab.bench_gemv", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="figures")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs at M=1 first")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_gemv needs a CUDA device")
+        raise SystemExit("bench gemv needs a CUDA GPU")
     dev = torch.device("cuda")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

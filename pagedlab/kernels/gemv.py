@@ -53,7 +53,7 @@ FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured 
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
 # columns per loop step, warps, software-pipeline stages.
-# `python -m pagedlab.bench_gemv --tune` sweeps them and writes the best as JSON; a file named by
+# `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG overrides these at import.
 GEMV_CONFIG = {       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
     "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1),
