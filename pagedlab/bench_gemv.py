@@ -54,8 +54,8 @@ def graph_time_us(calls, reps=30) -> float:
 
 
 def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
-    """{op name: (weight bytes, [fused closures], [unfused closures], config key)} with enough
-    weight copies per op to stream from DRAM."""
+    """{op name: dict(bytes=weight bytes, key=config key, ws=weight copies, call=closure maker)},
+    with enough weight copies per op that the calls stream their weights from DRAM."""
     from .kernels import gemv
     from .kernels.rope import rope_cos_sin
     gen = torch.Generator(device=device).manual_seed(seed)

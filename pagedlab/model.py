@@ -6,9 +6,9 @@
           -> final RMSNorm -> LM head (only at the rows whose next token we need)
 
 h is the residual stream. Q/K/V and gate/up are fused into one matrix each at load time (fewer,
-larger matmuls). Each line above is one kernel function (kernels/gemv.py): with few tokens in the
-step (decode at small batch) it is ONE launch that streams its weight matrix once, with the norm,
-RoPE, K/V store, SwiGLU and residual add done on the way; with many tokens it is the unfused
+larger matmuls). Each line above is one kernel function (kernels/gemv.py): with one token in the
+step (decode at batch 1) it is ONE launch that streams its weight matrix once, with the norm,
+RoPE, K/V store, SwiGLU and residual add done on the way; with more tokens it is the unfused
 composition (RMSNorm, cuBLAS matmul, RoPE, K/V store ...).
 """
 from __future__ import annotations

@@ -10,13 +10,13 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
 
 from types import SimpleNamespace
 
+# The kernel functions the model calls, by file. RMSNorm, RoPE, the K/V store and SiLU-and-mul
+# (rmsnorm.py, rope.py, kv_store.py, activation.py) are not called directly: the functions of
+# gemv.py fuse them into the matmuls at one token and compose them around cuBLAS otherwise.
 KERNEL_FAMILIES = {
-    "rms_norm": "rmsnorm", "rope": "rope", "kv_store": "kv_store",
-    "prefill_attention": "prefill_attention", "decode_attention": "decode_attention",
-    "silu_and_mul": "activation",
-    # decode-time linear layers with their neighbours fused in (unfused composition above MAX_ROWS)
     "norm_qkv_rope_store": "gemv", "linear_residual": "gemv", "norm_swiglu": "gemv",
     "norm_lm_head": "gemv",
+    "prefill_attention": "prefill_attention", "decode_attention": "decode_attention",
 }
 
 

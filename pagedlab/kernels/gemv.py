@@ -1,6 +1,6 @@
 """Decode-time linear layers: matrix-vector products with their neighbours fused in.
 
-When only a few tokens are in a step (decode at batch 1 or a few), every matmul of
+When only a few tokens are in a step (decode at small batch), every matmul of
 a Llama layer is a matrix-vector product. It reads the whole weight matrix to do 2*M*N*K flops, so
 it is bound by memory bandwidth; and the small ops around it (RMSNorm before, RoPE, K/V store,
 SwiGLU, the residual add after) cost mostly launch latency. So each kernel below streams one weight
