@@ -127,6 +127,9 @@ class EngineConfig:
     attention_backend: "torch" (plain torch, CPU and GPU), "triton", or "auto" (triton on CUDA).
     decode_variant:    which Triton decode kernel: naive, blocked, gqa, split_kv or auto.
     cuda_graphs:       on CUDA, replay captured graphs for decode-only steps (see cuda_graph.py).
+    overlap:           with graphs and greedy decoding, launch decode step n+1 before reading
+                       step n's tokens, so the host's bookkeeping runs while the GPU works
+                       (engine.py, Engine.step). Off with trace=True (a trace shows steps one by one).
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -138,6 +141,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     decode_variant: str = "auto"
     cuda_graphs: bool = True
+    overlap: bool = True
     dtype: str | None = None
     device: str | None = None
     trace: bool = False

@@ -1,10 +1,11 @@
 """CUDA graphs for decode steps.
 
-A decode step of Llama-3.2-1B launches ~200 small kernels; at batch 1 launching them from Python
+A decode step of Llama-3.2-1B launches ~100 small kernels; at batch 1 launching them from Python
 costs more than running them. A CUDA graph records the launches once (per batch size) and replays
 them with one call. Everything a graph reads lives in static buffers refilled before each replay:
 
-    inputs [N, 5] int64 : per row  token id, position, KV slot, sequence length, slot of the request
+    inputs [N, 6] int64 : per row  token id, position, KV slot, sequence length, slot of the
+                          request, and where the row's token comes from (see below)
     block table         : the engine's own device table (its address never changes); the graph
                           gathers the rows it needs itself
 
@@ -12,36 +13,73 @@ so a step costs one host -> device copy, one replay, and one device -> host copy
 tokens (greedy argmax runs inside the graph). Launch shapes are fixed at capture: the batch
 (padded up to the nearest captured size) and the block-table width. Padding rows point at the
 "null" KV block and the table's null row, so they compute harmless garbage nobody reads.
+
+Where a row's token comes from: either the host wrote it (column 0), or it is the token that the
+PREVIOUS replay chose for one of its rows -- still on the device, not yet read by the host. That
+second case lets the engine launch step n+1 before it has read step n's tokens (engine.py:
+"overlap"). Both live in one buffer, `token_src` = [previous replay's tokens | this replay's
+inputs], and column 5 holds an index into it, so picking every row's token is one gather.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention import AttentionMetadata
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+COLS = 6          # token, position, KV slot, length, slot, index of the token in token_src
+
+
+class Replay:
+    """A launched decode step: its device outputs and the pinned host copy of its tokens."""
+
+    def __init__(self, logits, tokens, host_tokens, event):
+        self.logits, self.tokens = logits, tokens           # device, [n, V] and [n]
+        self._host_tokens, self._event = host_tokens, event
+
+    def read_tokens(self) -> list[int]:
+        """Wait for THIS replay only (not for anything launched after it) and return its tokens."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host_tokens.tolist()
 
 
 class DecodeGraphs:
     def __init__(self, model, kv_cache, block_table: torch.Tensor, max_seq_len: int, max_batch: int,
-                 sizes=DEFAULT_SIZES):
+                 sizes=DEFAULT_SIZES, capture: bool | None = None):
+        """capture=False runs the very same step eagerly (any device): what the CPU tests use to
+        check the engine's bookkeeping around replays."""
         self.model, self.kv_cache, self.table = model, kv_cache, block_table
         self.sizes = sorted({s for s in sizes if s < max_batch} | {max_batch})
         self.max_seq_len = max_seq_len
         self.null_row = block_table.shape[0] - 1
-        self.inputs = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, device=model.device)
-        self.inputs[:] = torch.tensor(self.padding_row(), dtype=torch.int64)
-        # the host side of the copy: pinned (page-locked), so the copy is a plain async DMA
-        self.host_inputs = torch.zeros(self.sizes[-1], 5, dtype=torch.int64, pin_memory=True)
-        self._host_np = self.host_inputs.numpy()
-        self._host_np[:] = self.padding_row()
+        self.capture = model.device.type == "cuda" if capture is None else capture
+        big = self.sizes[-1]
+        dev = model.device
+        self.token_src = torch.zeros(big + big * COLS, dtype=torch.int64, device=dev)
+        self.prev_tokens = self.token_src[:big]                  # the last replay's chosen tokens
+        self.inputs = self.token_src[big:].view(big, COLS)
+        # a padding row per position: its token is its own column 0
+        self._padding = np.array([self.padding_row()] * big, dtype=np.int64)
+        self._own_token = big + COLS * np.arange(big, dtype=np.int64)
+        self._padding[:, 5] = self._own_token
+        self.inputs.copy_(torch.from_numpy(self._padding))
+        # host sides of the copies, two of each: while step n's copies may still be pending, step
+        # n+1 fills the other one. Pinned (page-locked), so each copy is a plain async DMA.
+        pin = dev.type == "cuda"
+        self._host_inputs = [torch.zeros(big, COLS, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_tokens = [torch.zeros(big, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._turn = 0
         self.graphs, self.logits, self.tokens = {}, {}, {}
         self.pool = None
-        self._capture_all()
+        if self.capture:
+            self._capture_all()
 
     def padding_row(self) -> list[int]:
         null = self.kv_cache.null_block
-        return [0, 0, null * self.kv_cache.block_size, 1, self.null_row]
+        return [0, 0, null * self.kv_cache.block_size, 1, self.null_row, 0]
 
     def _run(self, b):
         x = self.inputs[:b]
@@ -53,8 +91,11 @@ class DecodeGraphs:
             prefill_seq_lens=seq_lens[:0], max_q_len=0,
             decode_block_table=self.table.index_select(0, x[:, 4]), decode_seq_lens=seq_lens,
             max_seq_len=self.max_seq_len)
-        return self.model.forward(x[:, 0].contiguous(), x[:, 1].contiguous(), self.kv_cache, meta,
-                                  greedy=True)
+        token_ids = self.token_src.index_select(0, x[:, 5])     # host-given or last replay's
+        logits, tokens = self.model.forward(token_ids, x[:, 1].contiguous(), self.kv_cache, meta,
+                                            greedy=True)
+        self.prev_tokens[:b].copy_(tokens)                       # for the next replay to read
+        return logits, tokens
 
     def _capture_all(self):
         stream = torch.cuda.Stream()
@@ -76,14 +117,32 @@ class DecodeGraphs:
         """The captured size that holds n rows (None if none does)."""
         return next((s for s in self.sizes if s >= n), None) if n > 0 else None
 
-    def run(self, rows: list) -> tuple:
-        """rows: n <= max batch tuples (token, position, KV slot, length, slot). Pads them to the
-        captured size b, copies them to the device (one copy) and replays b's graph.
-        Returns (logits [n, V], greedy tokens [n]) on the device."""
+    def launch(self, rows: list) -> Replay:
+        """rows: n <= max batch tuples (token, position, KV slot, length, slot, prev_row), where
+        prev_row >= 0 says "my token is the one the previous replay chose for its row prev_row"
+        (the host's token is then ignored) and -1 says "the host's token". Pads the rows to the
+        captured size b, copies them to the device (one copy), replays b's graph and queues the copy
+        of the chosen tokens back to pinned host memory. Returns without waiting for the device."""
         n = len(rows)
         b = self.batch_size(n)
-        self._host_np[:n] = rows
-        self._host_np[n:b] = self.padding_row()
-        self.inputs[:b].copy_(self.host_inputs[:b], non_blocking=True)
-        self.graphs[b].replay()
-        return self.logits[b][:n], self.tokens[b][:n]
+        k = self._turn = 1 - self._turn
+        host = self._host_inputs[k].numpy()
+        host[:n] = rows
+        host[:n, 5] = np.where(host[:n, 5] < 0, self._own_token[:n], host[:n, 5])
+        host[n:b] = self._padding[n:b]
+        self.inputs[:b].copy_(self._host_inputs[k][:b], non_blocking=True)
+        if self.capture:
+            self.graphs[b].replay()
+            logits, tokens = self.logits[b], self.tokens[b]
+        else:
+            logits, tokens = self._run(b)
+        host_tokens = self._host_tokens[k][:n]
+        host_tokens.copy_(self.prev_tokens[:n], non_blocking=True)
+        if self._events[k] is not None:
+            self._events[k].record()
+        return Replay(logits[:n], tokens[:n], host_tokens, self._events[k])
+
+    def run(self, rows: list) -> tuple:
+        """launch() and return (logits [n, V], greedy tokens [n]) on the device."""
+        replay = self.launch(rows)
+        return replay.logits, replay.tokens

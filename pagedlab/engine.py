@@ -12,16 +12,30 @@ tokens together) -> sample on the device -> one small host read of the chosen to
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from .attention import AttentionMetadata
 from .config import EngineConfig
 from .kv_cache import KVCache, blocks_needed
-from .request import Request
+from .request import Request, RequestStatus
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .trace import StepRecord, Trace
+
+
+PENDING = -1        # an output token launched but not yet read back (see Engine.step)
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the host has not read yet."""
+    reqs: list[Request]            # the requests that get a token, in row order
+    rows: dict[int, int]           # request id -> row
+    out_index: list[int]           # where each one's token goes in its output_token_ids
+    replay: object = None          # cuda_graph.Replay (graph steps)
+    tokens: list[int] | None = None   # already on the host (eager steps, sampling)
 
 
 def resolve_device_dtype(device=None, dtype=None):
@@ -73,6 +87,10 @@ class Engine:
         # host-side time per phase of a step (seconds, summed): what the scheduler itself costs
         self.timing = dict(schedule=0.0, pack=0.0, forward_sample=0.0, update=0.0, steps=0)
         self.graphs = None
+        self._in_flight: InFlight | None = None
+        self.num_overlapped = 0         # steps launched before the previous one was read
+        # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy)
+        self.overlap = cfg.overlap and cfg.cuda_graphs and not cfg.trace
         if cfg.cuda_graphs and self.device.type == "cuda":
             from .cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table,
@@ -116,7 +134,7 @@ class Engine:
         return req.request_id
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # -- one step -------------------------------------------------------------
     def _pack(self, prefill: list[Request], decode: list[Request]):
@@ -162,12 +180,15 @@ class Engine:
         return ids_t, positions, meta, rows_t
 
     def _graph_rows(self, reqs: list[Request]) -> list[tuple]:
-        """Host rows for a graph replay: token, position, KV slot, length, slot."""
+        """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
+        step in flight whose (not yet read) token is this request's input, or -1."""
         bs = self.config.block_size
+        pending = self._in_flight.rows if self._in_flight is not None else {}
         rows = []
         for r in reqs:
             n = r.num_tokens
-            rows.append((r.last_token_id, n - 1, r.blocks[(n - 1) // bs] * bs + (n - 1) % bs, n, r.slot))
+            rows.append((max(r.last_token_id, 0), n - 1, r.blocks[(n - 1) // bs] * bs + (n - 1) % bs,
+                         n, r.slot, pending.get(r.request_id, -1)))
         return rows
 
     def _sample(self, logits, reqs: list[Request], greedy=None) -> list[int]:
@@ -187,66 +208,127 @@ class Engine:
         return tokens.tolist()          # the step's one device -> host read
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it (and forgets them)."""
+        """Run one step; returns the requests that finished (and forgets them).
+
+        With overlap (CUDA graphs, greedy decoding) the host does not wait for a decode step
+        before launching the next one: step n+1 is launched with step n's tokens still on the
+        device (the graph picks them up there), and only THEN is step n read back and its requests
+        updated, while the GPU already runs n+1. So a call returns the requests that finished in
+        the step before the one it launched. Whenever the next step's schedule could depend on
+        step n's tokens (a request about to hit its length limit, requests waiting for a slot,
+        sampling that is not greedy, too few free blocks) step n is read first, as without
+        overlap."""
         t_start = time.perf_counter()
+        finished = []
+        if self._in_flight is not None and not self._can_overlap():
+            finished += self._read_in_flight()
         sched = self.scheduler.schedule()
         if sched.empty:
+            if self._in_flight is not None:
+                return finished + self._read_in_flight()
             if self.has_work():
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
-            return []
+            return finished
         # the requests that get a next token this step (a prefill chunk that does not reach the
         # end of its sequence only fills the cache)
         reqs = [r for r in sched.prefill if r.num_computed + r.num_scheduled == r.num_tokens] + sched.decode
         t_packed = time.perf_counter()
+        greedy = all(r.params.greedy for r in reqs)
+        replay = None
         if self.graphs is not None and not sched.prefill and self.graphs.batch_size(len(reqs)):
-            logits, greedy = self.graphs.run(self._graph_rows(reqs))
+            replay = self.graphs.launch(self._graph_rows(reqs))
+            logits = replay.logits
         else:
+            assert self._in_flight is None
             input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
-            greedy = None
-        t_forward = time.perf_counter()
-        tokens = self._sample(logits, reqs, greedy)
-        now = time.perf_counter()
-        record = self._record(t_start, now, sched) if self.trace is not None else None
+        record = self._record(t_start, sched) if self.trace is not None else None
         for r in sched.prefill + sched.decode:
             r.num_computed += r.num_scheduled
-        finished = []
-        for r, tok in zip(reqs, tokens):
-            r.output_token_ids.append(tok)
-            r.token_times.append(now)
-            reason = self._stop_reason(r, tok)
-            if reason:
-                r.finish_time = now
-                self.scheduler.finish(r, reason)
-                del self.requests[r.request_id]
-                finished.append(r)
+        step = InFlight(reqs, {r.request_id: i for i, r in enumerate(reqs)},
+                        [len(r.output_token_ids) for r in reqs], replay)
+        for r in reqs:
+            r.output_token_ids.append(PENDING)           # its token, once read (see _read_in_flight)
+        t_forward = time.perf_counter()
+        waited = self.timing["forward_sample"]
+        if replay is not None and greedy:
+            if self._in_flight is not None:
+                self.num_overlapped += 1
+                finished += self._read_in_flight()       # step n, read while the GPU runs this one
+            self._in_flight = step
+            if not self.overlap:
+                finished += self._read_in_flight()
+        else:
+            step.tokens = self._sample(logits, reqs)
+            self._in_flight = step
+            finished += self._read_in_flight()
         if record is not None:
-            record.emitted = {r.request_id: tok for r, tok in zip(reqs, tokens)}
+            record.duration_s = time.perf_counter() - t_start
+            record.emitted = {r.request_id: r.output_token_ids[i] for r, i in zip(reqs, step.out_index)}
             record.finished = [r.request_id for r in finished]
             self.trace.append(record)
         tm = self.timing
         tm["schedule"] += t_packed - t_start
         tm["pack"] += t_forward - t_packed      # includes the forward's launches (async on CUDA)
-        tm["forward_sample"] += now - t_forward # waits for the device: the step's one sync
-        tm["update"] += time.perf_counter() - now
+        # forward_sample: waiting for the device (in _read_in_flight); update: the rest of reading
+        tm["update"] += time.perf_counter() - t_forward - (tm["forward_sample"] - waited)
         tm["steps"] += 1
         return finished
 
-    def _stop_reason(self, r: Request, tok: int) -> str | None:
+    def _can_overlap(self) -> bool:
+        """Can the next step be launched before the step in flight is read? Only if it is sure to
+        be a graph decode of exactly the running requests, none of which can stop by length in
+        the step in flight, with blocks for all of them (no preemption) and nobody waiting."""
+        s = self.scheduler
+        if not self.overlap or s.waiting or not s.admitted or not self.graphs.batch_size(len(s.admitted)):
+            return False
+        need = 0
+        for r in s.admitted:
+            p, n = r.params, r.num_tokens
+            if (not p.greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
+                    or n >= self.max_model_len):
+                return False
+            need += blocks_needed(n, self.config.block_size) - len(r.blocks)
+        return need <= s.allocator.num_free
+
+    def _read_in_flight(self) -> list[Request]:
+        """Read the step in flight (waiting for it, not for anything launched after it), put each
+        token in place of its PENDING entry and stop the requests that are done."""
+        step, self._in_flight = self._in_flight, None
+        t0 = time.perf_counter()
+        tokens = step.tokens if step.tokens is not None else step.replay.read_tokens()
+        now = time.perf_counter()
+        self.timing["forward_sample"] += now - t0
+        finished = []
+        for r, i, tok in zip(step.reqs, step.out_index, tokens):
+            if r.status is RequestStatus.FINISHED:
+                continue              # it stopped in the step before; this row ran in vain
+            r.output_token_ids[i] = tok
+            r.token_times.append(now)
+            reason = self._stop_reason(r, tok, i + 1)
+            if reason:
+                del r.output_token_ids[i + 1:]   # a token launched after the stop, never computed
+                r.finish_time = now
+                self.scheduler.finish(r, reason)
+                del self.requests[r.request_id]
+                finished.append(r)
+        return finished
+
+    def _stop_reason(self, r: Request, tok: int, num_out: int) -> str | None:
         p = r.params
         if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(r.output_token_ids) >= p.max_new_tokens or r.num_tokens >= self.max_model_len:
+        if num_out >= p.max_new_tokens or len(r.prompt_token_ids) + num_out >= self.max_model_len:
             return "length"
         return None
 
-    def _record(self, t_start, now, sched) -> StepRecord:
+    def _record(self, t_start, sched) -> StepRecord:
         """The step as plain data (taken before the update: slots as they ran this step)."""
         s = self.scheduler
         phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
         num_tokens = sum(r.num_scheduled for r in sched.prefill + sched.decode)
         return StepRecord(
-            step=len(self.trace), start_s=t_start - self._t0, duration_s=now - t_start,
+            step=len(self.trace), start_s=t_start - self._t0, duration_s=0.0,
             slot_request=[r.request_id if r else None for r in s.slots],
             slot_phase=[phases.get(r.request_id) if r else None for r in s.slots],
             block_table=[list(r.blocks) if r else [] for r in s.slots],

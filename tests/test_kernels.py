@@ -240,6 +240,22 @@ def test_decode_split_kv_forced_splits(num_splits):
     check(out[keep], ref[keep], dtype)
 
 
+def test_decode_split_kv_merges_in_launch_again_and_again():
+    """split_kv's last split merges the partials and resets its arrival counter: launches that
+    reuse the same scratch (same shapes, as in a CUDA graph) with other lengths stay right."""
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[0]
+    gen = torch.Generator().manual_seed(21)
+    longest = 700 if GPU else 60
+    for trial in range(4):
+        seq_lens = [int(x) for x in torch.randint(1, longest, (3,), generator=gen)]
+        k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
+        q = torch.randn(3, hq, d, generator=gen).to(dtype).to(DEV)
+        out = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, longest,
+                                      variant="split_kv", num_splits=5)
+        check(out, decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5), dtype)
+
+
 def test_decode_zero_length_all_variants():
     dtype = DTYPES[0]
     hq, hkv, d = HEADS[-1]

@@ -20,8 +20,9 @@ in physical block block_table[b, n // block_size], row n % block_size):
             (grid B x Hkv x S). With small batches B * Hkv programs cannot fill 132 SMs; splitting
             the context restores parallelism. Each sequence splits its OWN length evenly (S is
             fixed at launch from the context bound; a short sequence uses only its first splits),
-            so a CUDA graph captured for the longest context stays cheap at short ones. Each split writes its partial (max m, sum l,
-            unnormalised acc) to a scratch buffer, and a second tiny kernel merges them:
+            so a CUDA graph captured for the longest context stays cheap at short ones. Each
+            split writes its partial (max m, sum l, unnormalised acc) to a scratch buffer, and
+            the last split of a (sequence, KV head) to finish merges them in the same launch:
             M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s.
   auto      picks gqa or split_kv (and the number of splits) from the batch size, the context
             bound and the SM count -- host-side numbers only, see choose_decode_plan().
@@ -174,7 +175,7 @@ def _decode_blocked_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
 # gqa and split_kv: one program per (sequence, KV head[, split]), all query heads of the group
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_ptr, sm_scale,
+def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_ptr, sl_ptr, sm_scale,
                        max_blocks, split_len,
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -238,34 +239,40 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, bt_ptr, sl_p
         tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=gmask[:, None] & dmask[None, :])
     else:
-        # scratch: ml [B, Hq, S, 2] (max, sum), acc [B, Hq, S, BLOCK_D], fp32, contiguous
-        row = q_rows * NUM_SPLITS + split                                # [GP]
-        wmask = gmask & (offs_g * 0 + start_n < seq_len)      # nothing from unused splits
-        tl.store(ml_ptr + row * 2, m_i, mask=wmask)
-        tl.store(ml_ptr + row * 2 + 1, l_i, mask=wmask)
-        tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=wmask[:, None])
-
-
-@triton.jit
-def _decode_merge_kernel(o_ptr, ml_ptr, acc_ptr, sl_ptr, HQ: tl.constexpr, D: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)              # row of out [B*Hq, D]
-    seq_len = tl.load(sl_ptr + r // HQ)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))     # splits that wrote a partial result
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    smask = offs_s < used
-    row = r * NUM_SPLITS + offs_s
-    m = tl.load(ml_ptr + row * 2, mask=smask, other=-1.0e30)
-    l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
-    acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=smask[:, None], other=0.0)
-    m_max = tl.max(m, axis=0)
-    w = tl.exp2(m - m_max)                      # unused splits: masked, l = 0 -> contribute 0
-    l_tot = tl.sum(w * l, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(l_tot > 0.0, l_tot, 1.0)
-    tl.store(o_ptr + r * D + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < D)
+        # This split's partial result (max m, sum l, unnormalised acc) goes to the scratch buffers
+        # ml [B*Hq, S, 2] and acc [B*Hq, S, BLOCK_D] (fp32). Then the split-K trick of gemv.py:
+        # each split bumps the (sequence, KV head) counter, and the LAST one to arrive merges the
+        # partials in split order (deterministic) in this same launch and resets the counter.
+        # Splits past the end of the sequence take no part (unless it is empty: split 0 then
+        # writes m = -1e30, l = 0 and the output is zeros).
+        used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+        if split < used:
+            row = q_rows * NUM_SPLITS + split                            # [GP]
+            tl.store(ml_ptr + row * 2, m_i, mask=gmask)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+            tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
+            counter = cnt_ptr + b * HKV + kvh
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == used - 1:
+                # M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s
+                m_max = tl.full([GP], -1.0e30, dtype=tl.float32)
+                for s in range(0, used):
+                    m_s = tl.load(ml_ptr + (q_rows * NUM_SPLITS + s) * 2, mask=gmask, other=-1.0e30,
+                                  cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, m_s)
+                l_tot = tl.zeros([GP], dtype=tl.float32)
+                o = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
+                for s in range(0, used):
+                    r = q_rows * NUM_SPLITS + s
+                    w = tl.exp2(tl.load(ml_ptr + r * 2, mask=gmask, other=-1.0e30,
+                                        cache_modifier=".cg") - m_max)
+                    l_tot += w * tl.load(ml_ptr + r * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
+                    o += w[:, None] * tl.load(acc_ptr + r[:, None] * BLOCK_D + offs_d[None, :],
+                                              mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                out = o / tl.where(l_tot > 0.0, l_tot, 1.0)[:, None]
+                tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=gmask[:, None] & dmask[None, :])
+                tl.atomic_xchg(counter, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -306,13 +313,16 @@ def choose_decode_plan(batch: int, num_kv_heads: int, max_ctx: int, sm_count: in
     return ("split_kv", splits) if splits > 1 else ("gqa", 1)
 
 
-def _scratch(device, rows, splits, block_d):
-    key = (device.type, device.index, rows, splits, block_d)
+def _scratch(device, batch, hq, hkv, splits, block_d):
+    """split_kv's partial results and its per-(sequence, KV head) arrival counters (zero between
+    launches: the merging program resets its own)."""
+    key = (device.type, device.index, batch, hq, hkv, splits, block_d)
     buf = _SCRATCH.get(key)
     if buf is None:
-        ml = torch.empty((rows, splits, 2), dtype=torch.float32, device=device)
-        acc = torch.empty((rows, splits, block_d), dtype=torch.float32, device=device)
-        buf = _SCRATCH[key] = (ml, acc)
+        ml = torch.empty((batch * hq, splits, 2), dtype=torch.float32, device=device)
+        acc = torch.empty((batch * hq, splits, block_d), dtype=torch.float32, device=device)
+        cnt = torch.zeros(batch * hkv, dtype=torch.int32, device=device)
+        buf = _SCRATCH[key] = (ml, acc, cnt)
     return buf
 
 
@@ -350,21 +360,16 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
         if splits > 1:
-            ml_buf, acc_buf = _scratch(q.device, b * hq, splits, block_d)
+            ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
         else:
-            ml_buf = acc_buf = out                          # unused
+            ml_buf = acc_buf = cnt = out                    # unused
         _decode_gqa_kernel[(b, hkv, splits)](
-            q, k_cache, v_cache, out, ml_buf, acc_buf, block_table, seq_lens, scale2,
+            q, k_cache, v_cache, out, ml_buf, acc_buf, cnt, block_table, seq_lens, scale2,
             block_table.shape[1], 1 << 30,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
             IDX64=k_cache.numel() >= 2 ** 31, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
-        if splits > 1:
-            _decode_merge_kernel[(b * hq,)](out, ml_buf, acc_buf, seq_lens, HQ=hq, D=d,
-                                            BLOCK_D=block_d, NUM_SPLITS=splits,
-                                            BLOCK_S=triton.next_power_of_2(splits), BLOCK_N=block_n,
-                                            num_warps=1)
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,110 @@
+"""Overlapped decode steps (Engine.step with overlap): step n+1 is launched before step n's tokens
+are read. The bookkeeping around it -- PENDING tokens, stops found one step late, rows that ran in
+vain, length limits, admissions, preemption -- is checked on CPU by running the graph path eagerly
+(DecodeGraphs(capture=False)) under randomized request streams: outputs must equal the plain
+engine's, token for token, and the scheduler's invariants must hold after every step."""
+import random
+
+import pytest
+import torch
+
+from helpers import random_prompts, tiny_llm
+from pagedlab import SamplingParams
+from pagedlab.cuda_graph import DecodeGraphs
+from pagedlab.engine import PENDING
+from test_scheduler import check_invariants, run_stream
+
+
+def overlapped_llm(**kw):
+    """A tiny CPU engine that takes the graph path (run eagerly) with overlap on."""
+    llm = tiny_llm(**kw)
+    eng = llm.engine
+    eng.graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.scheduler.block_table.table,
+                              eng.max_model_len, eng.config.max_num_seqs, sizes=(1, 2, 3, 5),
+                              capture=False)
+    eng.overlap = True
+    return llm
+
+
+@pytest.fixture(scope="module")
+def stream():
+    rng = torch.Generator().manual_seed(11)
+    prompts = random_prompts(12, 512, rng, lo=1, hi=30)
+    params = [SamplingParams(max_new_tokens=int(torch.randint(1, 25, (1,), generator=rng)), ignore_eos=True)
+              for _ in prompts]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(stream):
+    prompts, params = stream
+    llm = tiny_llm(max_num_seqs=1, num_blocks=64)
+    return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("slots,block_size,num_blocks,seed",
+                         [(1, 16, 64, 0), (3, 4, 256, 1), (5, 1, 4096, 2), (4, 7, 12, 3)])
+def test_overlap_gives_the_same_outputs(stream, reference, slots, block_size, num_blocks, seed):
+    """Random arrivals; the last case's pool is small enough to force preemption."""
+    prompts, params = stream
+    rnd = random.Random(seed)
+    arrival = [rnd.randint(0, 30) for _ in prompts]
+    llm = overlapped_llm(max_num_seqs=slots, block_size=block_size, num_blocks=num_blocks)
+    got = run_stream(llm, prompts, params, arrival)
+    cap = llm.engine.max_model_len
+    for i in range(len(prompts)):
+        assert got[i] == reference[i][:len(got[i])]
+        assert len(got[i]) == min(len(reference[i]), cap - len(prompts[i]))
+    assert llm.engine.num_overlapped > 0, "no step was overlapped: the test checks nothing"
+
+
+def test_stop_tokens_found_one_step_late():
+    """A request that stops on a token is only seen to stop after the next step was launched for
+    it: that spare row must leave no token behind, and the other requests go on unchanged."""
+    rng = torch.Generator().manual_seed(5)
+    prompts = random_prompts(6, 512, rng, lo=2, hi=20)
+    free = tiny_llm(max_num_seqs=6, num_blocks=128).generate(
+        prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    params = []
+    for i, o in enumerate(free):      # stop on a token each sequence produces mid-run
+        params.append(SamplingParams(max_new_tokens=20, stop_token_ids=[o.token_ids[3 + i]]))
+    expect = []
+    for o, sp in zip(free, params):
+        k = o.token_ids.index(sp.stop_token_ids[0])
+        expect.append(o.token_ids[:k + 1])
+    llm = overlapped_llm(max_num_seqs=6, num_blocks=128)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expect
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert all(PENDING not in o.token_ids for o in outs)
+    assert llm.engine.num_overlapped > 0
+
+
+def test_length_limits_and_requests_added_between_steps():
+    llm = overlapped_llm(max_num_seqs=2, num_blocks=64, max_model_len=24)
+    eng = llm.engine
+    a = eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.step()
+    b = eng.add_request([3] * 15, SamplingParams(max_new_tokens=50, ignore_eos=True))
+    done = {}
+    while eng.has_work():
+        for r in eng.step():
+            done[r.request_id] = r
+        check_invariants(eng)
+    assert len(done[a].output_token_ids) == 10 and done[a].finish_reason == "length"
+    assert len(done[b].output_token_ids) == 24 - 15 and done[b].finish_reason == "length"
+    assert eng.num_overlapped > 0
+    assert eng.scheduler.allocator.num_used == 0
+
+
+def test_sampling_steps_are_not_overlapped():
+    """Non-greedy sampling needs the logits on the host side of the step: no overlap, and the
+    same seeded outputs as the plain engine."""
+    prompts = [[4, 5, 6], [7, 8]]
+    params = [SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)] * 2
+    want = [o.token_ids for o in tiny_llm(max_num_seqs=2, num_blocks=64).generate(prompts, params)]
+    llm = overlapped_llm(max_num_seqs=2, num_blocks=64)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.num_overlapped == 0
