@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from .paged import gather_pages
+from .pdl import launch_options, pdl_mode, start as pdl_start
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -179,10 +180,12 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
                        max_blocks, split_len,
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr):
+                       NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr,
+                       PDL: tl.constexpr):
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
+    pdl_start(PDL)                       # programmatic dependent launch (pdl.py); at most "early" here
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -359,6 +362,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             splits = 1
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
+        pdl = min(pdl_mode(q.device), 2)
         if splits > 1:
             ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
         else:
@@ -368,8 +372,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             block_table.shape[1], 1 << 30,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-            IDX64=k_cache.numel() >= 2 ** 31, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            IDX64=k_cache.numel() >= 2 ** 31, PDL=pdl, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **launch_options(pdl))
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .kv_store import kv_store_torch, kv_store_triton
+from .pdl import launch_options, pdl_mode, prefetch_l2, start as pdl_start
 from .rmsnorm import rms_norm_torch, rms_norm_triton
 from .rope import rope_torch, rope_triton
 
@@ -119,9 +120,10 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 @triton.jit
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
-    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token."""
+    acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
+    PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -130,6 +132,14 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    if PDL == 3 and BLOCK_K >= 64:
+        lines = k_lo + tl.arange(0, BLOCK_K // 64) * 64             # one address per 128 bytes
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            lmask = rmask[:, None] & (lines + (k0 - k_lo) < k_hi)[None, :]
+            prefetch_l2(tl.where(lmask, w_ptr + rows_a[:, None] * K + (lines + (k0 - k_lo))[None, :], w_ptr))
+            if PAIRED:
+                prefetch_l2(tl.where(lmask, w_ptr + rows_b[:, None] * K + (lines + (k0 - k_lo))[None, :], w_ptr))
+    pdl_start(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         kmask = cols < k_hi
@@ -187,12 +197,12 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_pt
                    eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IDX64: tl.constexpr):
+                   IDX64: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
     acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split,
-                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K)
+                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if SPLITS > 1:
         last, acc, _, sum_sq = _gather_splits(acc, acc, sum_sq, ws_ptr, cnt_ptr, False, SPLITS,
                                               BLOCK_M, BLOCK_R)
@@ -220,7 +230,8 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_pt
 
 
 @triton.jit
-def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr):
+def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    pdl_start(PDL)
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     vals = tl.load(best_ptr + m * P + offs, mask=offs < P, other=float("-inf"))
@@ -232,11 +243,11 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr):
 @triton.jit
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
     gate, up, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K,
-                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K)
+                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if SPLITS > 1:
         last, gate, up, sum_sq = _gather_splits(gate, up, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                                 BLOCK_M, BLOCK_R)
@@ -256,7 +267,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
                            ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     HALF: tl.constexpr = D // 2
@@ -266,7 +277,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     imask = i < HALF
     rows = head * D + i
     a, b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K,
-                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K)
+                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if SPLITS > 1:
         last, a, b, sum_sq = _gather_splits(a, b, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
                                             BLOCK_M, BLOCK_R)
@@ -328,8 +339,9 @@ def _plan(x, k, row_blocks, cfg):
                             dtype=torch.float32, device=x.device),
                 torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
         ws, cnt = _WORKSPACE[key]
-    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    pdl = pdl_mode(x.device)
+    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
     return (row_blocks, splits), kwargs, ws, cnt, k_split
 
 
@@ -399,8 +411,9 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, greedy=False):
     if not greedy:
         return out
     tokens = torch.empty(t, dtype=torch.int64, device=x.device)
+    pdl = min(kw["PDL"], 2)
     _argmax_merge_kernel[(t,)](best, tokens, t, grid[0], BLOCK_P=triton.next_power_of_2(grid[0]),
-                               num_warps=4)
+                               PDL=pdl, num_warps=4, **launch_options(pdl))
     return out, tokens
 
 
