@@ -34,6 +34,7 @@ def graph_step_us(eng, context: int, replays: int = 200) -> tuple[float, float]:
                           SamplingParams(max_new_tokens=8, ignore_eos=True))
     eng.step()                                     # prefill
     req = eng.requests[rid]
+    eng.scheduler._grow(req, req.num_tokens)       # a block for the next token, as schedule() would
     replay = eng.graphs.launch(eng._graph_rows([req]))   # inputs in place: the next decode step
     replay.read_tokens()
     graph = eng.graphs.graphs[1]
