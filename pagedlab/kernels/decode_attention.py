@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .paged import gather_pages
-from .pdl import launch_options, pdl_mode, start as pdl_start
+from .pdl import launch_options, main_loop_done, pdl_mode, start as pdl_start
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -185,7 +185,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
-    pdl_start(PDL)                       # programmatic dependent launch (pdl.py); at most "early" here
+    pdl_start(PDL)                  # programmatic dependent launch (pdl.py); no weights to prefetch
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -236,6 +236,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    main_loop_done(PDL)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -362,7 +363,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             splits = 1
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
-        pdl = min(pdl_mode(q.device), 2)
+        pdl = pdl_mode(q.device)
+        pdl = 2 if pdl == 3 else pdl
         if splits > 1:
             ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
         else:

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .kv_store import kv_store_torch, kv_store_triton
-from .pdl import launch_options, pdl_mode, prefetch_l2, start as pdl_start
+from .pdl import launch_options, main_loop_done, pdl_mode, prefetch_l2, start as pdl_start
 from .rmsnorm import rms_norm_torch, rms_norm_triton
 from .rope import rope_torch, rope_triton
 
@@ -132,13 +132,12 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if PDL == 3 and BLOCK_K >= 64:
+    if PDL == 3 and BLOCK_K >= 64:                                  # the first tile into L2
         lines = k_lo + tl.arange(0, BLOCK_K // 64) * 64             # one address per 128 bytes
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            lmask = rmask[:, None] & (lines + (k0 - k_lo) < k_hi)[None, :]
-            prefetch_l2(tl.where(lmask, w_ptr + rows_a[:, None] * K + (lines + (k0 - k_lo))[None, :], w_ptr))
-            if PAIRED:
-                prefetch_l2(tl.where(lmask, w_ptr + rows_b[:, None] * K + (lines + (k0 - k_lo))[None, :], w_ptr))
+        lmask = rmask[:, None] & (lines < k_hi)[None, :]
+        prefetch_l2(tl.where(lmask, w_ptr + rows_a[:, None] * K + lines[None, :], w_ptr))
+        if PAIRED:
+            prefetch_l2(tl.where(lmask, w_ptr + rows_b[:, None] * K + lines[None, :], w_ptr))
     pdl_start(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
@@ -154,6 +153,7 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
         if PAIRED:
             wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
             acc_b = _partial_dot(x, wb, acc_b, BLOCK_M)
+    main_loop_done(PDL)
     return acc_a, acc_b, sum_sq
 
 
@@ -411,7 +411,7 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, greedy=False):
     if not greedy:
         return out
     tokens = torch.empty(t, dtype=torch.int64, device=x.device)
-    pdl = min(kw["PDL"], 2)
+    pdl = kw["PDL"] if kw["PDL"] != 3 else 2
     _argmax_merge_kernel[(t,)](best, tokens, t, grid[0], BLOCK_P=triton.next_power_of_2(grid[0]),
                                PDL=pdl, num_warps=4, **launch_options(pdl))
     return out, tokens

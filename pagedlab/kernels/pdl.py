@@ -12,8 +12,10 @@ launched early; its programs start, do what does not depend on the first kernel'
     wait      launched with PDL; each program waits at its very start (only launch latency hides)
     early     also tell the NEXT kernel it may launch as soon as all our programs have started
               (gdc_launch_dependents at the start)
-    prefetch  early, and a weight-streaming kernel first asks for its weight slice to be brought
-              into L2 (the weights never depend on the previous kernel), then waits
+    prefetch  early, and a weight-streaming kernel first asks for its first weight tile to be
+              brought into L2 (the weights never depend on the previous kernel), then waits
+    late      wait at the start; tell the next kernel it may launch once our programs have
+              streamed their data (after the main loop, before the reduction and the stores)
 
 A kernel launched with PDL must call wait() before it reads anything an earlier kernel wrote:
 every kernel here that takes a PDL constexpr does so at its start.
@@ -26,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MODES = {"off": 0, "wait": 1, "early": 2, "prefetch": 3}
+MODES = {"off": 0, "wait": 1, "early": 2, "prefetch": 3, "late": 4}
 PDL = os.environ.get("PAGEDLAB_PDL", "off")
 if PDL not in MODES:
     raise ValueError(f"PAGEDLAB_PDL must be one of {sorted(MODES)}, got {PDL!r}")
@@ -49,10 +51,17 @@ def launch_options(mode: int) -> dict:
 @triton.jit
 def start(PDL: tl.constexpr):
     """At a kernel's start: let the next kernel launch (early), then wait for the previous one."""
-    if PDL >= 2:
+    if PDL == 2 or PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL >= 1:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def main_loop_done(PDL: tl.constexpr):
+    """After a kernel's main loop ("late" mode): the next kernel may launch."""
+    if PDL == 4:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
