@@ -89,12 +89,12 @@ class Engine:
         self.graphs = None
         self._in_flight: InFlight | None = None
         self.num_overlapped = 0         # steps launched before the previous one was read
-        # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy)
-        self.overlap = cfg.overlap and cfg.cuda_graphs and not cfg.trace
         if cfg.cuda_graphs and self.device.type == "cuda":
             from .cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table,
                                        self.max_model_len, min(cfg.max_num_seqs, 512))
+        # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy)
+        self.overlap = cfg.overlap and self.graphs is not None and not cfg.trace
 
     # -- requests -------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:

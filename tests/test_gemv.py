@@ -206,3 +206,67 @@ def test_forced_paths_agree_and_guard_rows():
     with pytest.raises(ValueError, match="at most"):
         gemv.linear_residual_triton(rand(gemv.MAX_ROWS + 1, 96, dtype=dtype, gen=gen), w,
                                     rand(gemv.MAX_ROWS + 1, 40, dtype=dtype, gen=gen), fused=True)
+
+
+def test_pdl_mode_is_checked_and_off_on_cpu():
+    import subprocess
+    import sys
+
+    from pagedlab.kernels import pdl
+    assert pdl.pdl_mode(torch.device("cpu")) == 0 and pdl.launch_options(0) == {}
+    bad = subprocess.run([sys.executable, "-c", "import pagedlab.kernels.pdl"], capture_output=True,
+                         text=True, env=dict(os.environ, PAGEDLAB_PDL="sometimes"))
+    assert bad.returncode != 0 and "PAGEDLAB_PDL must be one of" in bad.stderr
+
+
+@pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a Hopper GPU")
+def test_pdl_modes_give_identical_results():
+    """A decode layer's kernels back to back (no sync between them) under every PDL mode: a kernel
+    that read its input before the previous one finished writing it would change the numbers."""
+    from pagedlab.kernels import pdl
+    from pagedlab.kernels.decode_attention import decode_attention_triton
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90+")
+    hidden, inter, hq, hkv, d, vocab = SHAPES[0]
+    gen = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16
+    h0 = rand(1, hidden, dtype=dt, gen=gen)
+    norm_w = rand(hidden, dtype=dt, gen=gen, scale=0.2) + 1
+    w_qkv = rand((hq + 2 * hkv) * d, hidden, dtype=dt, gen=gen, scale=hidden ** -0.5)
+    w_o = rand(hidden, hq * d, dtype=dt, gen=gen, scale=hidden ** -0.5)
+    w_gu = rand(2 * inter, hidden, dtype=dt, gen=gen, scale=hidden ** -0.5)
+    w_d = rand(hidden, inter, dtype=dt, gen=gen, scale=inter ** -0.5)
+    w_lm = rand(vocab, hidden, dtype=dt, gen=gen, scale=hidden ** -0.5)
+    cos_sin = rope_cos_sin(d, 500000.0, 4096, LLAMA3_SCALING, device=DEV)
+    ctx, bs = 777, 16
+    blocks = -(-ctx // bs)
+    k0, v0 = rand(blocks + 1, bs, hkv, d, dtype=dt, gen=gen), rand(blocks + 1, bs, hkv, d, dtype=dt, gen=gen)
+    table = torch.randperm(blocks + 1, generator=gen)[:blocks].to(torch.int32).view(1, -1).to(DEV)
+    pos = torch.tensor([ctx - 1], device=DEV)
+    slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
+    seq_lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+
+    def layer_steps():
+        k_cache, v_cache = k0.clone(), v0.clone()
+        h = h0
+        for _ in range(3):
+            q = gemv.norm_qkv_rope_store_triton(h, norm_w, 1e-5, w_qkv, pos, cos_sin, k_cache, v_cache,
+                                                slot, hq)
+            o = decode_attention_triton(q, k_cache, v_cache, table, seq_lens, d ** -0.5, 4096)
+            h = gemv.linear_residual_triton(o.reshape(1, hq * d), w_o, h)
+            h = gemv.linear_residual_triton(gemv.norm_swiglu_triton(h, norm_w, 1e-5, w_gu), w_d, h)
+        logits, tok = gemv.norm_lm_head_triton(h, norm_w, 1e-5, w_lm, greedy=True)
+        return h, logits, tok, k_cache
+
+    saved = pdl.PDL
+    try:
+        results = {}
+        for mode in pdl.MODES:
+            pdl.PDL = mode
+            results[mode] = layer_steps()
+        torch.cuda.synchronize()
+    finally:
+        pdl.PDL = saved
+    for mode, res in results.items():
+        for a, b in zip(res, results["off"]):
+            assert torch.equal(a, b), f"PDL mode {mode!r} changed the results"

@@ -41,4 +41,4 @@ print("tiled decode kernel == reference")
 
 # 2. gqa: batch x KV heads = 1 x 8 = 8 programs for 132 SMs. split_kv:
 splits = choose_num_splits(1, HKV, 8192, 132, 64)
-print(f"split_kv: {splits} splits -> {splits * HKV} programs (and a small merge kernel)")
+print(f"split_kv: {splits} splits -> {splits * HKV} programs (the last split of each sequence and KV head merges them in the same launch)")

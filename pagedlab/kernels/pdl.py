@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 MODES = {"off": 0, "wait": 1, "early": 2, "prefetch": 3, "late": 4}
-PDL = os.environ.get("PAGEDLAB_PDL", "off")
+PDL = os.environ.get("PAGEDLAB_PDL", "late")     # fastest measured (docs/engine.md, bench step)
 if PDL not in MODES:
     raise ValueError(f"PAGEDLAB_PDL must be one of {sorted(MODES)}, got {PDL!r}")
 
@@ -40,8 +40,18 @@ def pdl_mode(device: torch.device) -> int:
     """The PDL constexpr for kernels launched on `device`: 0 (off) unless on a Hopper+ GPU."""
     key = (device.type, device.index)
     if key not in _SUPPORTED:
-        _SUPPORTED[key] = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+        _SUPPORTED[key] = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+                           and _triton_has_pdl())
     return MODES[PDL] if _SUPPORTED[key] else 0
+
+
+def _triton_has_pdl() -> bool:
+    """Triton >= 3.3 has gdc_wait / gdc_launch_dependents and the launch_pdl launch option."""
+    try:
+        cuda = tl.extra.cuda
+        return hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    except AttributeError:
+        return False
 
 
 def launch_options(mode: int) -> dict:
