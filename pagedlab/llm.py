@@ -1,6 +1,7 @@
 """The front door: LLM(model=...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .config import EngineConfig
@@ -58,6 +59,10 @@ def make_tokenizer(ckpt):
 def resolve_backend(name: str, device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton backend on CPU runs in Triton's interpreter: set the environment "
+                         "variable TRITON_INTERPRET=1 before pagedlab is imported (or use "
+                         "attention_backend='torch', or device='cuda')")
     return name
 
 

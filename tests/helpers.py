@@ -10,7 +10,8 @@ def tiny_llm(seed=0, **kw):
     from pagedlab import LLM, tiny_config
     from pagedlab.weights import random_checkpoint
     cfg = kw.pop("config", None) or tiny_config()
-    return LLM(checkpoint=random_checkpoint(cfg, seed), device="cpu", show_progress=False, **kw)
+    kw.setdefault("device", "cpu")
+    return LLM(checkpoint=random_checkpoint(cfg, seed), show_progress=False, **kw)
 
 
 def random_prompts(n, vocab, rng, lo=1, hi=40):

@@ -1,23 +1,25 @@
-"""The engine on the Triton kernels (CPU: the interpreter, fp32) gives the torch backend's tokens."""
+"""The engine on the Triton kernels gives the torch backend's tokens (fp32; on CPU the Triton
+kernels run in the interpreter, on a GPU for real, without CUDA graphs to compare kernels alone)."""
+import pytest
+import torch
+
 from helpers import tiny_llm
 from pagedlab import SamplingParams
 
-
-import pytest  # noqa: E402
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("budget", [8192, 7])       # 7: prompts prefilled in chunks over cached pages
 def test_triton_backend_engine_matches_torch_backend(budget):
     prompts = [[5, 6, 7, 8, 9], [11] * 19, [3, 4]]
     sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    kw = dict(max_num_seqs=2, num_blocks=32, block_size=4, max_num_batched_tokens=budget)
+    kw = dict(max_num_seqs=2, num_blocks=32, block_size=4, max_num_batched_tokens=budget, device=DEV,
+              dtype="float32", cuda_graphs=False)
     ref = [o.token_ids for o in tiny_llm(attention_backend="torch", **kw).generate(prompts, sp)]
     for variant in ("naive", "blocked", "gqa", "split_kv"):
         got = [o.token_ids for o in tiny_llm(attention_backend="triton", decode_variant=variant, **kw).generate(prompts, sp)]
         assert got == ref, variant
 
-
-import torch  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])

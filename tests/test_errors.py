@@ -107,3 +107,13 @@ def test_corrupt_safetensors(tmp_path, damage):
     f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 8 + data[8:])
     with pytest.raises(ValueError, match="model.safetensors.*corrupt"):
         load_checkpoint(str(tmp_path / "m"), show_progress=False)
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
+    import subprocess
+    import sys
+    code = ("from pagedlab import LLM\n"
+            "LLM('random:tiny', device='cpu', attention_backend='triton', show_progress=False)\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr
