@@ -91,7 +91,9 @@ def run_hf_generate_batch(model, prompts, new_tokens):
 
 def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
     """Kernel-time breakdown of decode steps at `batch` sequences of ~`context` tokens (torch
-    profiler over graph replays). Returns {kernel name: us per step} and the wall time per step."""
+    profiler over graph replays). Returns {kernel name: us per step} and the wall time per step.
+    With programmatic dependent launch on (kernels/pdl.py) a kernel's time includes its wait for
+    the previous one, so the kernel times add up to more than the step: see `bench step`."""
     from torch.profiler import ProfilerActivity, profile
 
     from .sampling import SamplingParams
@@ -107,7 +109,8 @@ def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        eng.step()
+        eng.step()              # with overlap a call returns before its own step is done...
+    torch.cuda.synchronize()    # ...so the wall time waits for the last one
     wall = (time.perf_counter() - t0) / steps
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -120,7 +123,8 @@ def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
             if t:
                 per[e.key[:60]] = per.get(e.key[:60], 0) + t / steps
     eng.run()
-    return dict(batch=batch, context=context, wall_ms=wall * 1e3,
+    from .kernels import pdl
+    return dict(batch=batch, context=context, pdl=pdl.PDL, wall_ms=wall * 1e3,
                 kernel_us=dict(sorted(per.items(), key=lambda kv: -kv[1])),
                 kernel_total_us=sum(per.values()))
 

@@ -222,6 +222,7 @@ class Engine:
         finished = []
         if self._in_flight is not None and not self._can_overlap():
             finished += self._read_in_flight()
+        t_sched = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             if self._in_flight is not None:
@@ -250,7 +251,6 @@ class Engine:
         for r in reqs:
             r.output_token_ids.append(PENDING)           # its token, once read (see _read_in_flight)
         t_forward = time.perf_counter()
-        waited = self.timing["forward_sample"]
         if replay is not None and greedy:
             if self._in_flight is not None:
                 self.num_overlapped += 1
@@ -259,7 +259,9 @@ class Engine:
             if not self.overlap:
                 finished += self._read_in_flight()
         else:
-            step.tokens = self._sample(logits, reqs)
+            t0 = time.perf_counter()
+            step.tokens = self._sample(logits, reqs)                  # waits for the device
+            self.timing["forward_sample"] += time.perf_counter() - t0
             self._in_flight = step
             finished += self._read_in_flight()
         if record is not None:
@@ -268,11 +270,9 @@ class Engine:
             record.finished = [r.request_id for r in finished]
             self.trace.append(record)
         tm = self.timing
-        tm["schedule"] += t_packed - t_start
+        tm["schedule"] += t_packed - t_sched
         tm["pack"] += t_forward - t_packed      # includes the forward's launches (async on CUDA)
-        # forward_sample: waiting for the device (in _read_in_flight); update: the rest of reading
-        tm["update"] += time.perf_counter() - t_forward - (tm["forward_sample"] - waited)
-        tm["steps"] += 1
+        tm["steps"] += 1                        # (forward_sample and update: in _read_in_flight)
         return finished
 
     def _can_overlap(self) -> bool:
@@ -298,7 +298,7 @@ class Engine:
         t0 = time.perf_counter()
         tokens = step.tokens if step.tokens is not None else step.replay.read_tokens()
         now = time.perf_counter()
-        self.timing["forward_sample"] += now - t0
+        self.timing["forward_sample"] += now - t0        # waiting for the device
         finished = []
         for r, i, tok in zip(step.reqs, step.out_index, tokens):
             if r.status is RequestStatus.FINISHED:
@@ -312,6 +312,7 @@ class Engine:
                 self.scheduler.finish(r, reason)
                 del self.requests[r.request_id]
                 finished.append(r)
+        self.timing["update"] += time.perf_counter() - now
         return finished
 
     def _stop_reason(self, r: Request, tok: int, num_out: int) -> str | None:
