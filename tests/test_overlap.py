@@ -12,7 +12,8 @@ from helpers import random_prompts, tiny_llm
 from pagedlab import SamplingParams
 from pagedlab.cuda_graph import DecodeGraphs
 from pagedlab.engine import PENDING
-from test_scheduler import check_invariants, run_stream
+# the same randomized stream (some requests stop on EOS) and its one-at-a-time reference
+from test_scheduler import check_invariants, reference, run_stream, stream  # noqa: F401
 
 
 def overlapped_llm(**kw):
@@ -24,22 +25,6 @@ def overlapped_llm(**kw):
                               capture=False)
     eng.overlap = True
     return llm
-
-
-@pytest.fixture(scope="module")
-def stream():
-    rng = torch.Generator().manual_seed(11)
-    prompts = random_prompts(12, 512, rng, lo=1, hi=30)
-    params = [SamplingParams(max_new_tokens=int(torch.randint(1, 25, (1,), generator=rng)), ignore_eos=True)
-              for _ in prompts]
-    return prompts, params
-
-
-@pytest.fixture(scope="module")
-def reference(stream):
-    prompts, params = stream
-    llm = tiny_llm(max_num_seqs=1, num_blocks=64)
-    return [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
 
 
 @pytest.mark.parametrize("slots,block_size,num_blocks,seed",

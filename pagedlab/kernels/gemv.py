@@ -193,6 +193,28 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
 
 
 @triton.jit
+def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split, eps, ws_ptr,
+              cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, SPLITS: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr):
+    """What every kernel below starts with: this program's partial dot products (_stream_rows),
+    the split-K sum (_gather_splits) and the norm's 1/rms. Returns (last, acc_a, acc_b): only the
+    program with `last` set holds the full sums and goes on to its kernel's epilogue."""
+    acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
+                                        k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+    if SPLITS > 1:
+        last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
+                                                    SPLITS, BLOCK_M, BLOCK_R)
+    else:
+        last = True
+    if HAS_NORM:
+        inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
+        acc_a = acc_a * inv_rms
+        acc_b = acc_b * inv_rms
+    return last, acc_a, acc_b
+
+
+@triton.jit
 def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_ptr, M, N, K, k_split,
                    eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
@@ -201,16 +223,9 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_pt
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
-    acc, _, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split,
-                                  HAS_NORM, False, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
-    if SPLITS > 1:
-        last, acc, _, sum_sq = _gather_splits(acc, acc, sum_sq, ws_ptr, cnt_ptr, False, SPLITS,
-                                              BLOCK_M, BLOCK_R)
-    else:
-        last = True
+    last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split, eps,
+                             ws_ptr, cnt_ptr, HAS_NORM, False, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if last:
-        if HAS_NORM:
-            acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
         if HAS_RESIDUAL:
@@ -246,17 +261,10 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
-    gate, up, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K,
-                                    k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
-    if SPLITS > 1:
-        last, gate, up, sum_sq = _gather_splits(gate, up, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
-                                                BLOCK_M, BLOCK_R)
-    else:
-        last = True
+    last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K, k_split,
+                               eps, ws_ptr, cnt_ptr, True, True, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if last:
-        inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-        gate = gate * inv_rms
-        out = gate / (1.0 + tl.exp(-gate)) * (up * inv_rms)
+        out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
         tl.store(out_ptr + offs_m[:, None] * stride_o + rows[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & rmask[None, :])
@@ -276,17 +284,9 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     i = (tl.program_id(0) % PER_HEAD) * BLOCK_R + tl.arange(0, BLOCK_R)
     imask = i < HALF
     rows = head * D + i
-    a, b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K,
-                                k_split, True, True, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
-    if SPLITS > 1:
-        last, a, b, sum_sq = _gather_splits(a, b, sum_sq, ws_ptr, cnt_ptr, True, SPLITS,
-                                            BLOCK_M, BLOCK_R)
-    else:
-        last = True
+    last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K, k_split, eps,
+                           ws_ptr, cnt_ptr, True, True, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if last:
-        inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
-        a = a * inv_rms
-        b = b * inv_rms
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
         omask = mmask[:, None] & imask[None, :]
