@@ -398,3 +398,51 @@ def draw_safetensors_layout(header_len: int, entries: list, total: int, ax=None,
                  f"back to back", fontsize=10, loc="left")
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- host and GPU
+def overlap_schedule(host_ms: float, gpu_ms: float, steps: int, overlap: bool) -> list[tuple]:
+    """When each step's host work and GPU work run, as (lane, step, start_ms, end_ms).
+
+    In turn (overlap=False): host work of step k (schedule, inputs, launch, then reading the
+    token) and the GPU's step k alternate, so a step costs host + GPU. With overlap the host
+    launches step k as soon as its own work for k is done, and its work for step k+1 waits only
+    for the token of step k-1 (the one it reads): the GPU never waits while host < GPU."""
+    spans, t, g_end = [], 0.0, []
+    h_end = 0.0
+    for k in range(steps):
+        if overlap:
+            h0 = max(h_end, g_end[k - 2] if k >= 2 else 0.0)
+            h_end = h0 + host_ms
+            g0 = max(h_end, g_end[k - 1] if k >= 1 else 0.0)
+        else:
+            h0, h_end = t, t + host_ms
+            g0 = h_end
+        g_end.append(g0 + gpu_ms)
+        t = g_end[-1]
+        spans += [("host", k, h0, h_end), ("GPU", k, g0, g_end[-1])]
+    return spans
+
+
+def draw_overlap(host_ms: float, gpu_ms: float, steps: int = 5, title: str | None = None):
+    """Host and GPU lanes for `steps` decode steps, in turn (top) and overlapped (bottom)."""
+    fig, axes = plt.subplots(2, 1, figsize=(10, 3.6), sharex=True)
+    for ax, overlap in zip(axes, (False, True)):
+        spans = overlap_schedule(host_ms, gpu_ms, steps, overlap)
+        end = max(s[3] for s in spans)
+        for lane, k, a, b in spans:
+            y = 1 if lane == "host" else 0
+            ax.add_patch(Rectangle((a, y + 0.1), b - a, 0.8, facecolor=request_color(k),
+                                   edgecolor="black", linewidth=0.5))
+            if b - a > 0.04 * end:
+                ax.text((a + b) / 2, y + 0.5, str(k + 1), ha="center", va="center", fontsize=8)
+        ax.set_yticks([0.5, 1.5], ["GPU", "host"])
+        ax.set_ylim(0, 2)
+        ax.set_xlim(0, max(s[3] for s in overlap_schedule(host_ms, gpu_ms, steps, False)) * 1.02)
+        ax.set_title(f"{'overlapped: step n+1 launched before step n is read' if overlap else 'in turn'}"
+                     f" -- {steps} tokens in {end:.2f} ms = {steps / end * 1e3:,.0f} tokens/s",
+                     fontsize=9, loc="left")
+    axes[1].set_xlabel("ms")
+    fig.suptitle(title or f"host {host_ms:.2f} ms + GPU {gpu_ms:.2f} ms per step", fontsize=10)
+    fig.tight_layout()
+    return fig

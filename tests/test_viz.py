@@ -42,7 +42,8 @@ def test_drawings(trace):
             viz.draw_fragmentation({"c": 10, "p": 10}, {"c": 40, "p": 12}),
             viz.draw_bandwidth({"gqa": {"1x64": 10.0}, "naive": {"1x64": 2.0}}, 20.0),
             viz.draw_lines({"a": ([1, 2], [3, 4])}, "x", "y"),
-            viz.draw_safetensors_layout(100, [("a", 0, 50), ("b", 50, 80)], 188)]
+            viz.draw_safetensors_layout(100, [("a", 0, 50), ("b", 50, 80)], 188),
+            viz.draw_overlap(0.13, 0.91)]
     for f in figs:
         assert len(viz.fig_to_png(f)) > 1000
         plt.close(f)
@@ -69,3 +70,24 @@ def test_figures_command(tmp_path):
     assert {p.name for p in paths} >= {"slot_timeline.png", "static_vs_continuous.png",
                                         "block_table.png", "trace_step.png", "preemption_pool.png"}
     assert all(p.stat().st_size > 5000 for p in paths)
+
+
+@pytest.mark.parametrize("host,gpu", [(0.13, 0.91), (0.5, 0.3), (0.2, 0.2)])
+def test_overlap_schedule(host, gpu):
+    n = 7
+    seq = viz.overlap_schedule(host, gpu, n, overlap=False)
+    ovl = viz.overlap_schedule(host, gpu, n, overlap=True)
+    assert max(s[3] for s in seq) == pytest.approx(n * (host + gpu))
+    # overlapped: bound by the slower side, plus one of the other to fill the pipe
+    assert max(s[3] for s in ovl) == pytest.approx(min(host, gpu) + n * max(host, gpu))
+    for spans in (seq, ovl):
+        gpu_spans = sorted((a, b) for lane, _, a, b in spans if lane == "GPU")
+        host_spans = sorted((a, b) for lane, _, a, b in spans if lane == "host")
+        for lane in (gpu_spans, host_spans):           # a lane does one thing at a time
+            assert all(b0 <= a1 + 1e-12 for (_, b0), (a1, _) in zip(lane, lane[1:]))
+        for k in range(n):                              # a step runs after its host work
+            h = [s for s in spans if s[0] == "host" and s[1] == k][0]
+            g = [s for s in spans if s[0] == "GPU" and s[1] == k][0]
+            assert g[2] >= h[3] - 1e-12
+            if k >= 2:       # the host reads step k-2's token before its work for step k ends
+                assert h[3] >= [s for s in spans if s[0] == "GPU" and s[1] == k - 2][0][3]

@@ -36,3 +36,13 @@ assert token.item() == logits.argmax(-1).item()                  # exactly the a
 top2 = ref[0].topk(2).values
 print("fused:", token.item(), "unfused:", ref.argmax(-1).item(), f"(top-2 gap {float(top2[0] - top2[1]):.4f})")
 # The two paths round differently, so they may disagree only where the top two logits nearly tie.
+
+# 4. This machine's host and device shares of a step (the plain engine: no overlap).
+t = plain.engine.timing
+host_ms = (t["schedule"] + t["pack"] + t["update"]) / t["steps"] * 1e3
+wait_ms = t["forward_sample"] / t["steps"] * 1e3
+print(f"per step: host {host_ms:.3f} ms, waiting for the device {wait_ms:.3f} ms")
+viz.draw_overlap(host_ms, max(wait_ms, 1e-3), title="this machine, plain engine");
+# On a GPU the launches are asynchronous, so the wait is the part of the device's step that the
+# host's own work did not already cover. On a CPU there is no separate device: the forward runs
+# inside 'pack', the wait is ~0, and overlap has nothing to hide.
