@@ -4,10 +4,15 @@
     engine.add_request([token ids] or "text", SamplingParams(...))   # any time, even between steps
     while engine.has_work():
         for req in engine.step():          # one forward pass over every scheduled request
-            ...                            # requests that finished in this step
+            ...                            # requests that finished (see "overlap" below)
 
 One step = schedule (plain Python) -> pack the batch -> model forward (prefill tokens and decode
 tokens together) -> sample on the device -> one small host read of the chosen tokens -> update.
+
+Overlap (CUDA graphs, greedy decoding): the host runs one step ahead. A decode step is launched
+before the previous one is read, so the host's schedule/pack/update work happens while the GPU
+computes, and step() returns the requests that finished in the step it just read. A launched but
+unread token is PENDING in its request's output_token_ids until then.
 """
 from __future__ import annotations
 
