@@ -72,8 +72,8 @@ def main(argv=None) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
-    b = sub.add_parser("bench", help="benchmarks: kernels | engine | gemv | step")
-    b.add_argument("what", choices=["kernels", "engine", "gemv", "step"])
+    b = sub.add_parser("bench", help="benchmarks: kernels | engine | gemv | step | boundaries")
+    b.add_argument("what", choices=["kernels", "engine", "gemv", "step", "boundaries"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
 
     args = p.parse_args(argv)
