@@ -248,26 +248,23 @@ class Engine:
             assert self._in_flight is None
             input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+        t_forward = time.perf_counter()
+        tokens = None
+        if replay is None or not greedy:           # sampled here (before the requests change:
+            tokens = self._sample(logits, reqs)     # seeded noise depends on their positions)
+            self.timing["forward_sample"] += time.perf_counter() - t_forward
         record = self._record(t_start, sched) if self.trace is not None else None
         for r in sched.prefill + sched.decode:
             r.num_computed += r.num_scheduled
         step = InFlight(reqs, {r.request_id: i for i, r in enumerate(reqs)},
-                        [len(r.output_token_ids) for r in reqs], replay)
+                        [len(r.output_token_ids) for r in reqs], replay, tokens)
         for r in reqs:
             r.output_token_ids.append(PENDING)           # its token, once read (see _read_in_flight)
-        t_forward = time.perf_counter()
-        if replay is not None and greedy:
-            if self._in_flight is not None:
-                self.num_overlapped += 1
-                finished += self._read_in_flight()       # step n, read while the GPU runs this one
-            self._in_flight = step
-            if not self.overlap:
-                finished += self._read_in_flight()
-        else:
-            t0 = time.perf_counter()
-            step.tokens = self._sample(logits, reqs)                  # waits for the device
-            self.timing["forward_sample"] += time.perf_counter() - t0
-            self._in_flight = step
+        if tokens is None and self._in_flight is not None:
+            self.num_overlapped += 1
+            finished += self._read_in_flight()           # step n, read while the GPU runs this one
+        self._in_flight = step
+        if tokens is not None or not self.overlap:
             finished += self._read_in_flight()
         if record is not None:
             record.duration_s = time.perf_counter() - t_start

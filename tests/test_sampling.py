@@ -66,6 +66,30 @@ def test_seeded_requests_reproduce_whatever_shares_their_batch():
     assert different != alone
 
 
+def test_engine_samples_token_i_with_noise_of_its_own_position():
+    """The engine draws the token at position n (0-based, prompt included) with the noise of
+    (seed, n): recompute each sampled token from the model's logits over the tokens before it."""
+    from pagedlab.attention import AttentionMetadata
+    from pagedlab.kv_cache import KVCache
+    llm = tiny_llm(max_num_seqs=2, num_blocks=64)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.9, seed=77, ignore_eos=True)
+    prompt = [5, 9, 2, 11]
+    got = llm.generate([prompt], sp)[0].token_ids
+    model, c = llm.model, llm.config
+    ids = list(prompt)
+    for tok in got:
+        n = len(ids)
+        cache = KVCache(c.num_layers, 4, 16, c.num_kv_heads, c.head_dim, model.dtype, "cpu")
+        table = torch.arange(4, dtype=torch.int32)[None, :]
+        i32 = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        meta = AttentionMetadata(torch.arange(n), n, table, i32([0, n]), i32([n]), n, table[:0], i32([]), 0)
+        logits = model.forward(torch.tensor(ids), torch.arange(n), cache, meta, torch.tensor([n - 1]))
+        want = sample(logits, torch.tensor([0.9]), torch.tensor([0]), torch.tensor([1.0]),
+                      torch.tensor([77]), torch.tensor([n]))
+        assert int(want) == tok
+        ids.append(tok)
+
+
 @pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(max_new_tokens=2.5),
                                 dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_k=-1),
                                 dict(top_p=0.0), dict(top_p=1.5), dict(seed="x")])
