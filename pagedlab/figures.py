@@ -68,7 +68,7 @@ def make_all(out: Path) -> list[Path]:
                               title=f"block table at step {mid}: slot x logical block -> physical block"),
          "block_table.png")
     # 08: one frame of the trace explorer
-    save(viz.draw_step(cont, mid), "trace_step.png")
+    save(viz.draw_step(cont, mid, show_time=False), "trace_step.png")     # no wall clock: reproducible
     # 07: fragmentation, contiguous vs paged
     used, reserved = fragmentation_numbers(prompts, params, max_model_len=256, block_size=16)
     save(viz.draw_fragmentation(used, reserved, title="KV memory for 12 requests (max length 256)"),

@@ -178,7 +178,7 @@ def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None
 
 
 # ----------------------------------------------------------------------------- one step
-def draw_step(trace, i: int, fig=None, max_pool: int = 512):
+def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = True):
     """Everything at engine step i: the timeline with a cursor, the slots (request, phase), the
     queue, the block table and the pool -- one figure."""
     s = trace.steps[i]
@@ -188,9 +188,9 @@ def draw_step(trace, i: int, fig=None, max_pool: int = 512):
         fig.clear()
     gs = fig.add_gridspec(3, 3, height_ratios=[1.1, 1.2, 1.3], width_ratios=[1.2, 1, 1.6],
                           hspace=0.7, wspace=0.35)
+    when = f"t = {s.start_s * 1e3:.1f} ms, " if show_time else ""
     draw_timeline(trace, ax=fig.add_subplot(gs[0, :]), cursor=i, letters=False,
-                  title=f"step {i} of {len(trace) - 1}   (t = {s.start_s * 1e3:.1f} ms, "
-                        f"{s.num_tokens} tokens through the model)")
+                  title=f"step {i} of {len(trace) - 1}   ({when}{s.num_tokens} tokens through the model)")
     # slots
     ax = fig.add_subplot(gs[1, 0])
     for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
