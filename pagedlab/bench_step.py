@@ -77,7 +77,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pagedlab bench step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="random:llama-3.2-1b")
-    p.add_argument("--modes", default="off,wait,early,prefetch", help="PDL modes (kernels/pdl.py)")
+    p.add_argument("--modes", default="off,wait,late", help="PDL modes (kernels/pdl.py): off, wait, early, prefetch, late")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--out", default="figures")
     args = p.parse_args(argv)
