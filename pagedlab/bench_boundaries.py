@@ -100,31 +100,6 @@ def separate_chain(x0, w):
     return x[0]
 
 
-def _graph_us(fn, reps=30) -> float:
-    """Median microseconds of one replay of fn captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pagedlab bench boundaries", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +110,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench boundaries needs a CUDA GPU")
     from .bench_engine import copy_bandwidth
+    from .bench_gemv import graph_time_us
     from .kernels import pdl
     dev = torch.device("cuda")
     d, n = args.dim, args.phases
@@ -149,14 +125,14 @@ def main(argv=None):
     default = pdl.PDL
     for name, mode in (("separate, PDL off", "off"), (f"separate, PDL {default}", default)):
         pdl.PDL = mode
-        us = _graph_us(lambda: separate_chain(x0, w))
+        us = graph_time_us([lambda: separate_chain(x0, w)])
         outs[name] = separate_chain(x0, w)
         rows.append((name, us))
     pdl.PDL = default
     for name, preload in (("dataflow (one launch)", False), ("dataflow + preload", True)):
         state = dataflow_chain(x0, w, preload=preload)
         state[2].zero_()
-        us = _graph_us(lambda: dataflow_chain(x0, w, preload=preload, state=state))
+        us = graph_time_us([lambda: dataflow_chain(x0, w, preload=preload, state=state)])
         torch.cuda.synchronize()
         if int(state[2].item()):
             rows.append((name + ": a wait timed out (dispatch order?)", float("nan")))
