@@ -34,8 +34,8 @@ COLS = 6          # token, position, KV slot, length, slot, index of the token i
 class Replay:
     """A launched decode step: its device outputs and the pinned host copy of its tokens."""
 
-    def __init__(self, logits, tokens, host_tokens, event):
-        self.logits, self.tokens = logits, tokens           # device, [n, V] and [n]
+    def __init__(self, logits, host_tokens, event):
+        self.logits = logits                                # device, [n, V] fp32
         self._host_tokens, self._event = host_tokens, event
 
     def read_tokens(self) -> list[int]:
@@ -133,16 +133,11 @@ class DecodeGraphs:
         self.inputs[:b].copy_(self._host_inputs[k][:b], non_blocking=True)
         if self.capture:
             self.graphs[b].replay()
-            logits, tokens = self.logits[b], self.tokens[b]
+            logits = self.logits[b]
         else:
-            logits, tokens = self._run(b)
+            logits, _ = self._run(b)
         host_tokens = self._host_tokens[k][:n]
         host_tokens.copy_(self.prev_tokens[:n], non_blocking=True)
         if self._events[k] is not None:
             self._events[k].record()
-        return Replay(logits[:n], tokens[:n], host_tokens, self._events[k])
-
-    def run(self, rows: list) -> tuple:
-        """launch() and return (logits [n, V], greedy tokens [n]) on the device."""
-        replay = self.launch(rows)
-        return replay.logits, replay.tokens
+        return Replay(logits[:n], host_tokens, self._events[k])

@@ -196,10 +196,10 @@ class Engine:
                          n, r.slot, pending.get(r.request_id, -1)))
         return rows
 
-    def _sample(self, logits, reqs: list[Request], greedy=None) -> list[int]:
+    def _sample(self, logits, reqs: list[Request]) -> list[int]:
         ps = [r.params for r in reqs]
         if all(p.greedy for p in ps):
-            tokens = (greedy if greedy is not None else logits.argmax(dim=-1))[:len(reqs)]
+            tokens = logits.argmax(dim=-1)
         else:
             dev = logits.device
             tokens = sample(
