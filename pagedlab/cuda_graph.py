@@ -122,7 +122,8 @@ class DecodeGraphs:
         prev_row >= 0 says "my token is the one the previous replay chose for its row prev_row"
         (the host's token is then ignored) and -1 says "the host's token". Pads the rows to the
         captured size b, copies them to the device (one copy), replays b's graph and queues the copy
-        of the chosen tokens back to pinned host memory. Returns without waiting for the device."""
+        of the chosen tokens back to pinned host memory. Returns without waiting for the device.
+        The host buffers come in pairs, so read a replay before launching the second after it."""
         n = len(rows)
         b = self.batch_size(n)
         k = self._turn = 1 - self._turn
