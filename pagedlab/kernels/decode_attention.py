@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import online_softmax_update
 from .paged import gather_pages
 from .pdl import launch_options, main_loop_done, pdl_mode, start as pdl_start
 
@@ -227,15 +228,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
             s = tl.dot(q, tl.trans(k))
         s = s * sm_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, IEEE)
     main_loop_done(PDL)
 
     if NUM_SPLITS == 1:

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .online_softmax import online_softmax_update
 from .paged import gather_pages
 
 
@@ -101,15 +102,7 @@ def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n
     if MASKED:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, l_i
+    return online_softmax_update(acc, m_i, l_i, s, v, IEEE)
 
 
 @triton.jit
