@@ -182,7 +182,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr,
-                       PDL: tl.constexpr):
+                       PDL: tl.constexpr, GM: tl.constexpr = 1, MERGE_CH: tl.constexpr = 1):
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
@@ -251,24 +251,35 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
             counter = cnt_ptr + b * HKV + kvh
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == used - 1:
-                # M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s
-                m_max = tl.full([GP], -1.0e30, dtype=tl.float32)
-                for s in range(0, used):
-                    m_s = tl.load(ml_ptr + (q_rows * NUM_SPLITS + s) * 2, mask=gmask, other=-1.0e30,
-                                  cache_modifier=".cg")
-                    m_max = tl.maximum(m_max, m_s)
-                l_tot = tl.zeros([GP], dtype=tl.float32)
-                o = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-                for s in range(0, used):
-                    r = q_rows * NUM_SPLITS + s
-                    w = tl.exp2(tl.load(ml_ptr + r * 2, mask=gmask, other=-1.0e30,
-                                        cache_modifier=".cg") - m_max)
-                    l_tot += w * tl.load(ml_ptr + r * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
-                    o += w[:, None] * tl.load(acc_ptr + r[:, None] * BLOCK_D + offs_d[None, :],
-                                              mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+                # M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s.
+                # MERGE_CH splits at a time, as [GM heads, MERGE_CH splits, D] tiles: one load
+                # latency per chunk instead of one per split.
+                offs_h = tl.arange(0, GM)
+                hmask = offs_h < G
+                m_rows = (b.to(tl.int64) * (HKV * G) + kvh * G + offs_h) * NUM_SPLITS    # [GM]
+                offs_s = tl.arange(0, MERGE_CH)
+                m_max = tl.full([GM], -1.0e30, dtype=tl.float32)
+                for s0 in range(0, used, MERGE_CH):
+                    smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
+                    r = m_rows[:, None] + s0 + offs_s[None, :]                       # [GM, CH]
+                    m_s = tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30, cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, tl.max(m_s, axis=1))
+                l_tot = tl.zeros([GM], dtype=tl.float32)
+                o = tl.zeros([GM, BLOCK_D], dtype=tl.float32)
+                for s0 in range(0, used, MERGE_CH):
+                    smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
+                    r = m_rows[:, None] + s0 + offs_s[None, :]
+                    w = tl.exp2(tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30,
+                                        cache_modifier=".cg") - m_max[:, None])       # 0 if masked
+                    l_tot += tl.sum(w * tl.load(ml_ptr + r * 2 + 1, mask=smask, other=0.0,
+                                                cache_modifier=".cg"), axis=1)
+                    a = tl.load(acc_ptr + r[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                                mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
+                    o += tl.sum(w[:, :, None] * a, axis=1)
                 out = o / tl.where(l_tot > 0.0, l_tot, 1.0)[:, None]
-                tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
-                         mask=gmask[:, None] & dmask[None, :])
+                o_rows = m_rows // NUM_SPLITS
+                tl.store(o_ptr + o_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+                         mask=hmask[:, None] & dmask[None, :])
                 tl.atomic_xchg(counter, 0)
 
 
@@ -287,6 +298,13 @@ def _sm_count(device: torch.device) -> int:
         else:
             _SM_COUNT[key] = 4
     return _SM_COUNT[key]
+
+
+def _merge_chunk(g: int, block_d: int, splits: int) -> int:
+    """Splits merged per step of split_kv's merge: a [heads, chunk, D] fp32 tile of <= 4096
+    values (16 KB), and no more than there are splits."""
+    return max(1, min(triton.next_power_of_2(splits),
+                      4096 // (triton.next_power_of_2(g) * block_d)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
@@ -366,6 +384,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q, k_cache, v_cache, out, ml_buf, acc_buf, cnt, block_table, seq_lens, scale2,
             block_table.shape[1], 1 << 30,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
+            GM=triton.next_power_of_2(g), MERGE_CH=_merge_chunk(g, block_d, splits),
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
             IDX64=k_cache.numel() >= 2 ** 31, PDL=pdl, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **launch_options(pdl))
