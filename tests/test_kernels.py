@@ -240,6 +240,27 @@ def test_decode_split_kv_forced_splits(num_splits):
     check(out[keep], ref[keep], dtype)
 
 
+@pytest.mark.parametrize("heads", HEADS)
+def test_decode_split_kv_merges_in_chunks(heads, monkeypatch):
+    """The last split merges the partials a chunk of splits at a time: with a small merge tile
+    the merge takes several chunks, the last one partly past the splits in use."""
+    from pagedlab.kernels import decode_attention as da
+    dtype = DTYPES[0]
+    hq, hkv, d = heads
+    per_split = (1 << (hq // hkv - 1).bit_length()) * max(16, 1 << (d - 1).bit_length())
+    monkeypatch.setattr(da, "MERGE_TILE", per_split * (4 if not GPU else 16))   # 4 / 16 splits a chunk
+    gen = torch.Generator().manual_seed(hq + d)
+    seq_lens = [1200, 5, 300] if not GPU else [5000, 5, 1300]
+    k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    splits = 10 if not GPU else 40
+    chunk = da._merge_chunk(hq // hkv, max(16, 1 << (d - 1).bit_length()), splits)
+    assert 1 < chunk < splits and splits % chunk           # several chunks, the last one partial
+    out = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant="split_kv",
+                                  num_splits=splits)
+    check(out, decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5), dtype)
+
+
 def test_decode_split_kv_merges_in_launch_again_and_again():
     """split_kv's last split merges the partials and resets its arrival counter: launches that
     reuse the same scratch (same shapes, as in a CUDA graph) with other lengths stay right."""

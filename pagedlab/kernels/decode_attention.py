@@ -300,11 +300,14 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[key]
 
 
+MERGE_TILE = 4096     # fp32 values per step of split_kv's merge (16 KB)
+
+
 def _merge_chunk(g: int, block_d: int, splits: int) -> int:
-    """Splits merged per step of split_kv's merge: a [heads, chunk, D] fp32 tile of <= 4096
-    values (16 KB), and no more than there are splits."""
+    """Splits merged per step of split_kv's merge: a [heads, chunk, D] fp32 tile of at most
+    MERGE_TILE values, and no more than there are splits."""
     return max(1, min(triton.next_power_of_2(splits),
-                      4096 // (triton.next_power_of_2(g) * block_d)))
+                      MERGE_TILE // (triton.next_power_of_2(g) * block_d)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
