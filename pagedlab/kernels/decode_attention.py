@@ -239,7 +239,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
         # This split's partial result (max m, sum l, unnormalised acc) goes to the scratch buffers
         # ml [B*Hq, S, 2] and acc [B*Hq, S, BLOCK_D] (fp32). Then the split-K trick of gemv.py:
         # each split bumps the (sequence, KV head) counter, and the LAST one to arrive merges the
-        # partials in split order (deterministic) in this same launch and resets the counter.
+        # partials in a fixed order (deterministic) in this same launch and resets the counter.
         # Splits past the end of the sequence take no part (unless it is empty: split 0 then
         # writes m = -1e30, l = 0 and the output is zeros).
         used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
