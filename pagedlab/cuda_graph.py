@@ -17,7 +17,7 @@ tokens (greedy argmax runs inside the graph). Launch shapes are fixed at capture
 Where a row's token comes from: either the host wrote it (column 0), or it is the token that the
 PREVIOUS replay chose for one of its rows -- still on the device, not yet read by the host. That
 second case lets the engine launch step n+1 before it has read step n's tokens (engine.py:
-"overlap"). Both live in one buffer, `token_src` = [previous replay's tokens | this replay's
+"overlap", runner.py: launch(after=...)). Both live in one buffer, `token_src` = [previous replay's tokens | this replay's
 inputs], and column 5 holds an index into it, so picking every row's token is one gather.
 """
 from __future__ import annotations
@@ -117,6 +117,14 @@ class DecodeGraphs:
         """The captured size that holds n rows (None if none does)."""
         return next((s for s in self.sizes if s >= n), None) if n > 0 else None
 
+    def replay(self, b: int) -> torch.Tensor:
+        """Run batch size b's step with the inputs in place (no copy in or out): its logits.
+        (What `launch` does after filling the inputs; benchmarks time it alone.)"""
+        if self.capture:
+            self.graphs[b].replay()
+            return self.logits[b]
+        return self._run(b)[0]
+
     def launch(self, rows: list) -> Replay:
         """rows: n <= max batch tuples (token, position, KV slot, length, slot, prev_row), where
         prev_row >= 0 says "my token is the one the previous replay chose for its row prev_row"
@@ -132,11 +140,7 @@ class DecodeGraphs:
         host[:n, 5] = np.where(host[:n, 5] < 0, self._own_token[:n], host[:n, 5])
         host[n:b] = self._padding[n:b]
         self.inputs[:b].copy_(self._host_inputs[k][:b], non_blocking=True)
-        if self.capture:
-            self.graphs[b].replay()
-            logits = self.logits[b]
-        else:
-            logits, _ = self._run(b)
+        logits = self.replay(b)
         host_tokens = self._host_tokens[k][:n]
         host_tokens.copy_(self.prev_tokens[:n], non_blocking=True)
         if self._events[k] is not None:

@@ -4,43 +4,40 @@
     engine.add_request([token ids] or "text", SamplingParams(...))   # any time, even between steps
     while engine.has_work():
         for req in engine.step():          # one forward pass over every scheduled request
-            ...                            # requests that finished (see "overlap" below)
+            ...                            # requests that finished (each handed out once)
 
-One step = schedule (plain Python) -> pack the batch -> model forward (prefill tokens and decode
-tokens together) -> sample on the device -> one small host read of the chosen tokens -> update.
+Three rooms, one step:
 
-Overlap (CUDA graphs, greedy decoding): the host runs one step ahead. A decode step is launched
-before the previous one is read, so the host's schedule/pack/update work happens while the GPU
-computes, and step() returns the requests that finished in the step it just read. A launched but
-unread token is PENDING in its request's output_token_ids until then.
+    batch = scheduler.schedule()           # plain Python: who runs, blocks, preemption
+    tokens = runner.run(batch)             # the device: pack, forward, sample, one host read
+    scheduler.accept(batch, tokens)        # append tokens, stop, finish, free blocks
+
+Overlap (CUDA graphs, greedy decoding): the host runs one step ahead. Step n+1 is launched before
+step n is read, so the host's bookkeeping happens while the GPU computes; `_step_overlap` next to
+`_step_plain` is the whole idea. A launched but unread token is PENDING in its request's output.
+
+Nothing a request or an interrupt does can wedge the engine: a step that raises is rerun one request
+at a time and only the requests that raise alone fail (finish_reason "error"); a KeyboardInterrupt
+anywhere in a step leaves every request and block accounted for, and the next step() goes on.
 """
 from __future__ import annotations
 
+import numbers
 import time
-from dataclasses import dataclass
+from collections import deque
 
 import torch
 
-from .attention import AttentionMetadata
 from .config import EngineConfig
 from .kv_cache import KVCache, blocks_needed
-from .request import Request, RequestStatus
-from .sampling import SamplingParams, sample
-from .scheduler import Scheduler
+from .request import PENDING, Request, RequestStatus  # noqa: F401  (PENDING re-exported)
+from .runner import ModelRunner
+from .sampling import SamplingParams
+from .scheduler import Batch, Scheduler
 from .trace import StepRecord, Trace
 
-
-PENDING = -1        # an output token launched but not yet read back (see Engine.step)
-
-
-@dataclass
-class InFlight:
-    """A launched step whose tokens the host has not read yet."""
-    reqs: list[Request]            # the requests that get a token, in row order
-    rows: dict[int, int]           # request id -> row
-    out_index: list[int]           # where each one's token goes in its output_token_ids
-    replay: object = None          # cuda_graph.Replay (graph steps)
-    tokens: list[int] | None = None   # already on the host (eager steps, sampling)
+CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4 GiB
+SEED_BITS = 31                      # seeds drawn for requests without one: [0, 2**31)
 
 
 def resolve_device_dtype(device=None, dtype=None):
@@ -53,9 +50,15 @@ def resolve_device_dtype(device=None, dtype=None):
     return device, dtype
 
 
+def max_positions(cfg: EngineConfig, model_config) -> int:
+    """The longest sequence asked for: EngineConfig.max_model_len, else the model's own limit. (The
+    engine may hold fewer: a sequence never outgrows the KV pool.)"""
+    return cfg.max_model_len or model_config.max_position_embeddings
+
+
 def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype) -> int:
     """Number of KV blocks: given, or a fraction of free device memory (CUDA), or on CPU enough
-    for every slot at max_model_len (capped at 4 GiB)."""
+    for every slot at max_model_len (capped at CPU_KV_POOL_CAP_BYTES)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     per_block = KVCache.bytes_per_block(model_config.num_layers, cfg.block_size,
@@ -64,7 +67,40 @@ def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * cfg.memory_fraction) // per_block)
     want = cfg.max_num_seqs * blocks_needed(max_model_len, cfg.block_size)
-    return max(1, min(want, (4 << 30) // per_block))
+    return max(1, min(want, CPU_KV_POOL_CAP_BYTES // per_block))
+
+
+def stop_tokens(tokenizer, model_config) -> dict[int, str]:
+    """Every token that ends a turn, and where it comes from: the model's own metadata (config.json,
+    generation_config.json, GGUF), the chat template's end-of-turn token and the tokenizer's EOS. A
+    tokenizer alone is not enough: transformers versions disagree on a GGUF tokenizer's EOS."""
+    stops = {t: "model eos" for t in model_config.eos_token_ids}
+    for t in getattr(tokenizer, "eos_token_ids", None) or []:
+        stops.setdefault(t, "tokenizer eos")
+    for t, source in (getattr(tokenizer, "stop_token_ids", None) or {}).items():
+        stops.setdefault(t, source)
+    return stops
+
+
+class PhaseTimer:
+    """Host seconds per phase of a step, summed over steps: what the host side costs.
+    `with timer("schedule"): ...` adds that block's time to totals["schedule"]."""
+
+    PHASES = ("schedule", "launch", "read", "accept")
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.PHASES, 0.0) | {"steps": 0}
+        self._name, self._t = None, 0.0
+
+    def __call__(self, name: str) -> "PhaseTimer":
+        self._name = name
+        return self
+
+    def __enter__(self):
+        self._t = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.totals[self._name] += time.perf_counter() - self._t
 
 
 class Engine:
@@ -73,39 +109,43 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         mc = model.config
         self.device, self.dtype = model.device, model.dtype
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings, model.cos_sin.shape[0])
+        self.max_model_len = min(max_positions(cfg, mc), model.cos_sin.shape[0])
         num_blocks = pool_size(mc, cfg, self.max_model_len, self.device, self.dtype)
         # A sequence can never outgrow the whole pool: cap its length there (never a deadlock).
         self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
-        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs,
-                                   blocks_needed(self.max_model_len, cfg.block_size),
-                                   cfg.max_num_batched_tokens, cfg.policy, self.device,
-                                   null_block=self.kv_cache.null_block)
-        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or mc.eos_token_ids)
-        self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks) if cfg.trace else None
+        self.stop_token_ids = stop_tokens(tokenizer, mc)
+        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
+                                   cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
+                                   record_views=cfg.trace)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
+                                  cfg.cuda_graphs)
+        self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
+                           **_trace_cap(cfg)) if cfg.trace else None
         self._next_id = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self._t0 = time.perf_counter()
-        self.requests: dict[int, Request] = {}     # every request not yet returned as finished
-        # host-side time per phase of a step (seconds, summed): what the scheduler itself costs
-        self.timing = dict(schedule=0.0, pack=0.0, forward_sample=0.0, update=0.0, steps=0)
-        self.graphs = None
-        self._in_flight: InFlight | None = None
+        self.timer = PhaseTimer()
+        # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy); a trace
+        # shows steps one by one, so it runs the plain loop
+        self.overlap = cfg.overlap and self.runner.graphs is not None and not cfg.trace
+        self._step = self._step_overlap if self.overlap else self._step_plain
+        self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
         self.num_overlapped = 0         # steps launched before the previous one was read
-        if cfg.cuda_graphs and self.device.type == "cuda":
-            from .cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(model, self.kv_cache, self.scheduler.block_table.table,
-                                       self.max_model_len, min(cfg.max_num_seqs, 512))
-        # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy)
-        self.overlap = cfg.overlap and self.graphs is not None and not cfg.trace
+
+    @property
+    def timing(self) -> dict:
+        return self.timer.totals
+
+    def reset_timing(self) -> None:
+        self.timer = PhaseTimer()
 
     # -- requests -------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
-        """Queue a prompt (text, or a list of token ids). Checked completely before anything changes,
-        so a bad request raises ValueError and running requests are untouched. Returns its id."""
-        params = params or SamplingParams()
+    def check_request(self, prompt, params: SamplingParams | None = None, chat: bool = False):
+        """Everything add_request checks, with nothing changed: (token ids, text, params). Raises
+        ValueError / TypeError naming the problem."""
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text = None
@@ -115,229 +155,141 @@ class Engine:
             text = prompt
             ids = self.tokenizer.chat(prompt) if chat else self.tokenizer.encode(prompt, add_bos=True)
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}") from None
-            if not ids:
-                raise ValueError("empty prompt: give some text or a non-empty list of token ids")
+            ids = prompt_ids(prompt)
         vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
+            raise ValueError(f"token id(s) {[t for _, t in bad[:5]]} (at index {[i for i, _ in bad[:5]]}) "
+                             f"outside the vocabulary [0, {vocab}) of this model")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but this engine holds at most {self.max_model_len} per "
                 f"sequence (prompt + at least one new token; limited by the model's max length and the "
                 f"KV pool of {self.kv_cache.num_blocks} blocks x {self.config.block_size}). Shorten the "
                 f"prompt or give the engine more blocks (num_blocks / memory_fraction).")
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**31, (1,), generator=self._seed_rng))
+        return ids, text, params
+
+    def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
+        """Queue a prompt (text, or a list of token ids). Checked completely before anything changes,
+        so a bad request raises and running requests are untouched. Returns its id."""
+        return self.add_checked(*self.check_request(prompt, params, chat))
+
+    def add_checked(self, ids: list[int], text: str | None, params: SamplingParams) -> int:
+        """Queue what check_request returned (a request without a seed draws one now)."""
+        seed = params.seed if params.seed is not None else \
+            int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seed_rng))
         req = Request(self._next_id, ids, params, seed, prompt=text)
         self._next_id += 1
-        self.requests[req.request_id] = req
         self.scheduler.add(req)
         return req.request_id
 
+    def abort(self, request_id: int) -> bool:
+        """Cancel a request wherever it is: its blocks are freed and the next step() hands it out
+        with finish_reason "abort". False if no unfinished request has that id."""
+        return self.scheduler.abort(request_id)
+
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._in_flight is not None
+        return self.scheduler.has_work() or bool(self._unread) or bool(self.scheduler.finished)
 
     # -- one step -------------------------------------------------------------
-    def _pack(self, prefill: list[Request], decode: list[Request]):
-        """Build the step's tensors: each prefill's chunk of new tokens, then one token per decode.
-        Logits are computed only where a next token is due: the last token of a prefill that
-        completes its sequence, and every decode."""
-        bs = self.config.block_size
-        ids, pos, owner = [], [], []            # per token: id, position, slot of its request
-        cu, p_lens, logit_rows = [0], [], []
-        for r in prefill:
-            start, end = r.num_computed, r.num_computed + r.num_scheduled
-            ids += r.all_token_ids[start:end]
-            pos += range(start, end)
-            owner += [r.slot] * r.num_scheduled
-            cu.append(cu[-1] + r.num_scheduled)
-            p_lens.append(end)
-            if end == r.num_tokens:
-                logit_rows.append(cu[-1] - 1)
-        d_lens = [r.num_tokens for r in decode]
-        ids += [r.last_token_id for r in decode]
-        pos += [n - 1 for n in d_lens]
-        owner += [r.slot for r in decode]
-        logit_rows += range(cu[-1], cu[-1] + len(decode))
-        table = self.scheduler.block_table.table
-        p_slots, d_slots = [r.slot for r in prefill], [r.slot for r in decode]
-        parts = [ids, pos, owner, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
-        flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
-        flat = flat.to(self.device, non_blocking=True)          # one host -> device copy per step
-        ids_t, positions, owner, cu_t, p_lens_t, d_lens_t, p_slots_t, d_slots_t, rows_t = \
-            flat.split([len(part) for part in parts])
-        # Where each new token's K/V goes, read from the block table on the device.
-        slot_mapping = table[owner, positions // bs].long() * bs + positions % bs
-        # Only as many block-table columns as the longest sequence uses (kernels never read past).
-        p_cols = blocks_needed(max(p_lens, default=1), bs)
-        d_cols = blocks_needed(max(d_lens, default=1), bs)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping, num_prefill_tokens=cu[-1],
-            prefill_block_table=table[p_slots_t, :p_cols], cu_seqlens_q=cu_t.int(),
-            prefill_seq_lens=p_lens_t.int(),
-            max_q_len=max((cu[i + 1] - cu[i] for i in range(len(prefill))), default=0),
-            decode_block_table=table[d_slots_t, :d_cols], decode_seq_lens=d_lens_t.int(),
-            max_seq_len=max(d_lens, default=0))
-        return ids_t, positions, meta, rows_t
-
-    def _graph_rows(self, reqs: list[Request]) -> list[tuple]:
-        """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
-        step in flight whose (not yet read) token is this request's input, or -1."""
-        bs = self.config.block_size
-        pending = self._in_flight.rows if self._in_flight is not None else {}
-        rows = []
-        for r in reqs:
-            n = r.num_tokens
-            rows.append((max(r.last_token_id, 0), n - 1, r.blocks[(n - 1) // bs] * bs + (n - 1) % bs,
-                         n, r.slot, pending.get(r.request_id, -1)))
-        return rows
-
-    def _sample(self, logits, reqs: list[Request]) -> list[int]:
-        ps = [r.params for r in reqs]
-        if all(p.greedy for p in ps):
-            tokens = logits.argmax(dim=-1)
-        else:
-            dev = logits.device
-            tokens = sample(
-                logits,
-                temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
-                top_k=torch.tensor([p.top_k for p in ps], device=dev),
-                top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
-                seeds=torch.tensor([r.seed for r in reqs], device=dev),
-                positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
-                any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps))
-        return tokens.tolist()          # the step's one device -> host read
-
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished (and forgets them).
-
-        With overlap (CUDA graphs, greedy decoding) the host does not wait for a decode step
-        before launching the next one: step n+1 is launched with step n's tokens still on the
-        device (the graph picks them up there), and only THEN is step n read back and its requests
-        updated, while the GPU already runs n+1. So a call returns the requests that finished in
-        the step before the one it launched. Whenever the next step's schedule could depend on
-        step n's tokens (a request about to hit its length limit, requests waiting for a slot,
-        sampling that is not greedy, too few free blocks) step n is read first, as without
-        overlap."""
+        """Run one step; returns the requests that finished (each handed out once)."""
         t_start = time.perf_counter()
-        finished = []
-        if self._in_flight is not None and not self._can_overlap():
-            finished += self._read_in_flight()
-        t_sched = time.perf_counter()
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            if self._in_flight is not None:
-                return finished + self._read_in_flight()
-            if self.has_work():
-                raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
-            return finished
-        # the requests that get a next token this step (a prefill chunk that does not reach the
-        # end of its sequence only fills the cache)
-        reqs = [r for r in sched.prefill if r.num_computed + r.num_scheduled == r.num_tokens] + sched.decode
-        t_packed = time.perf_counter()
-        greedy = all(r.params.greedy for r in reqs)
-        replay = None
-        if self.graphs is not None and not sched.prefill and self.graphs.batch_size(len(reqs)):
-            replay = self.graphs.launch(self._graph_rows(reqs))
-            logits = replay.logits
-        else:
-            assert self._in_flight is None
-            input_ids, positions, meta, rows = self._pack(sched.prefill, sched.decode)
-            logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
-        t_forward = time.perf_counter()
-        tokens = None
-        if replay is None or not greedy:           # sampled here (before the requests change:
-            tokens = self._sample(logits, reqs)     # seeded noise depends on their positions)
-            self.timing["forward_sample"] += time.perf_counter() - t_forward
-        record = self._record(t_start, sched) if self.trace is not None else None
-        for r in sched.prefill + sched.decode:
-            r.num_computed += r.num_scheduled
-        step = InFlight(reqs, {r.request_id: i for i, r in enumerate(reqs)},
-                        [len(r.output_token_ids) for r in reqs], replay, tokens)
-        for r in reqs:
-            r.output_token_ids.append(PENDING)           # its token, once read (see _read_in_flight)
-        if tokens is None and self._in_flight is not None:
-            self.num_overlapped += 1
-            finished += self._read_in_flight()           # step n, read while the GPU runs this one
-        self._in_flight = step
-        if tokens is not None or not self.overlap:
-            finished += self._read_in_flight()
-        if record is not None:
-            record.duration_s = time.perf_counter() - t_start
-            record.emitted = {r.request_id: r.output_token_ids[i] for r, i in zip(reqs, step.out_index)}
-            record.finished = [r.request_id for r in finished]
-            self.trace.append(record)
-        tm = self.timing
-        tm["schedule"] += t_packed - t_sched
-        tm["pack"] += t_forward - t_packed      # includes the forward's launches (async on CUDA)
-        tm["steps"] += 1                        # (forward_sample and update: in _read_in_flight)
+        batch = self._step()
+        finished = self.scheduler.take_finished()
+        self.timer.totals["steps"] += 1
+        if self.trace is not None and not batch.empty:
+            self.trace.append(self._record(batch, finished, t_start))
         return finished
 
-    def _can_overlap(self) -> bool:
-        """Can the next step be launched before the step in flight is read? Only if it is sure to
-        be a graph decode of exactly the running requests, none of which can stop by length in
-        the step in flight, with blocks for all of them (no preemption) and nobody waiting."""
-        s = self.scheduler
-        if not self.overlap or s.waiting or not s.admitted or not self.graphs.batch_size(len(s.admitted)):
-            return False
-        need = 0
-        for r in s.admitted:
-            p, n = r.params, r.num_tokens
-            if (not p.greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
-                    or n >= self.max_model_len):
-                return False
-            need += blocks_needed(n, self.config.block_size) - len(r.blocks)
-        return need <= s.allocator.num_free
+    def _step_plain(self) -> Batch:
+        with self.timer("schedule"):
+            batch = self.scheduler.schedule()
+        if batch.empty:
+            return self._idle(batch)
+        try:
+            with self.timer("launch"):
+                tokens = self.runner.run(batch)
+        except Exception as error:            # not KeyboardInterrupt: that leaves and is retried
+            self._isolate(batch, error)
+            return batch
+        with self.timer("accept"):
+            self.scheduler.accept(batch, tokens)
+        return batch
 
-    def _read_in_flight(self) -> list[Request]:
-        """Read the step in flight (waiting for it, not for anything launched after it), put each
-        token in place of its PENDING entry and stop the requests that are done."""
-        step, self._in_flight = self._in_flight, None
-        t0 = time.perf_counter()
-        tokens = step.tokens if step.tokens is not None else step.replay.read_tokens()
-        now = time.perf_counter()
-        self.timing["forward_sample"] += now - t0        # waiting for the device
-        finished = []
-        for r, i, tok in zip(step.reqs, step.out_index, tokens):
-            if r.status is RequestStatus.FINISHED:
-                continue              # it stopped in the step before; this row ran in vain
-            r.output_token_ids[i] = tok
-            r.token_times.append(now)
-            reason = self._stop_reason(r, tok, i + 1)
-            if reason:
-                del r.output_token_ids[i + 1:]   # a token launched after the stop, never computed
-                r.finish_time = now
-                self.scheduler.finish(r, reason)
-                del self.requests[r.request_id]
-                finished.append(r)
-        self.timing["update"] += time.perf_counter() - now
-        return finished
+    def _step_overlap(self) -> Batch:
+        """As _step_plain, but the step is launched BEFORE the previous one is read: the host reads
+        step n and does its bookkeeping while the GPU runs step n+1. Only when the next schedule
+        cannot depend on step n's tokens (scheduler.can_run_ahead); otherwise step n is read first."""
+        while self._unread and not self._can_run_ahead():
+            self._read_oldest()
+        with self.timer("schedule"):
+            batch = self.scheduler.schedule()
+        if batch.empty:
+            while self._unread:
+                self._read_oldest()
+            return self._idle(batch)
+        ahead = self._unread[-1][1] if self._unread else None
+        try:
+            with self.timer("launch"):
+                launch = self.runner.launch(batch, after=ahead)
+        except Exception as error:
+            while self._unread:
+                self._read_oldest()
+            self._isolate(batch, error)
+            return batch
+        self.scheduler.advance(batch)            # its tokens are PENDING until read
+        self._unread.append((batch, launch))
+        self.num_overlapped += ahead is not None
+        while self._unread and (len(self._unread) > 1 or not self._unread[-1][1].read_later):
+            self._read_oldest()                  # step n, while the GPU runs step n+1
+        return batch
 
-    def _stop_reason(self, r: Request, tok: int, num_out: int) -> str | None:
-        p = r.params
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if num_out >= p.max_new_tokens or len(r.prompt_token_ids) + num_out >= self.max_model_len:
-            return "length"
-        return None
+    def _can_run_ahead(self) -> bool:
+        batch, launch = self._unread[-1]
+        graphs = self.runner.graphs
+        return (len(self._unread) == 1 and launch is self.runner.last and launch.read_later
+                and self.scheduler.can_run_ahead(graphs.sizes[-1]))
 
-    def _record(self, t_start, sched) -> StepRecord:
-        """The step as plain data (taken before the update: slots as they ran this step)."""
-        s = self.scheduler
-        phases = {r.request_id: "prefill" for r in sched.prefill} | {r.request_id: "decode" for r in sched.decode}
-        num_tokens = sum(r.num_scheduled for r in sched.prefill + sched.decode)
-        return StepRecord(
-            step=len(self.trace), start_s=t_start - self._t0, duration_s=0.0,
-            slot_request=[r.request_id if r else None for r in s.slots],
-            slot_phase=[phases.get(r.request_id) if r else None for r in s.slots],
-            block_table=[list(r.blocks) if r else [] for r in s.slots],
-            pool_used=s.allocator.num_used, pool_total=s.allocator.num_blocks,
-            queue=[r.request_id for r in s.waiting], emitted={}, num_tokens=num_tokens,
-            preempted=[r.request_id for r in sched.preempted])
+    def _read_oldest(self) -> None:
+        batch, launch = self._unread[0]
+        with self.timer("read"):
+            tokens = self.runner.read(launch)       # waits for that step only
+        with self.timer("accept"):
+            self.scheduler.settle(batch, tokens)
+        self._unread.popleft()
+
+    def _isolate(self, batch: Batch, error: Exception) -> None:
+        """A step raised. Run its requests one at a time: a request that raises alone finishes
+        with finish_reason "error" and the message; the others go on as if nothing happened."""
+        for part in self.scheduler.split(batch):
+            req = (part.prefill + part.decode)[0]
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            try:
+                tokens = self.runner.run(part)
+            except Exception as e:
+                self.scheduler.fail(req, f"{type(e).__name__}: {e}")
+                continue
+            self.scheduler.accept(part, tokens)
+
+    def _idle(self, batch: Batch) -> Batch:
+        if self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress with requests waiting (a bug: please report)")
+        return batch
+
+    def _record(self, batch: Batch, finished: list[Request], t_start: float) -> StepRecord:
+        """The step as plain data for the trace (slots as they ran this step)."""
+        emitted = {}
+        for r, i in zip(batch.sampled, batch.out_index):
+            if i < len(r.output_token_ids):
+                emitted[r.request_id] = r.output_token_ids[i]
+        return StepRecord(step=self.trace.next_step, start_s=t_start - self._t0,
+                          duration_s=time.perf_counter() - t_start, emitted=emitted,
+                          finished=[r.request_id for r in finished], **batch.view)
 
     def run(self, on_finish=None) -> list[Request]:
         """Step until the queue and the slots are empty."""
@@ -349,3 +301,27 @@ class Engine:
                 for r in finished:
                     on_finish(r)
         return done
+
+
+def _trace_cap(cfg: EngineConfig) -> dict:
+    cap = getattr(cfg, "max_trace_steps", None)
+    return {} if cap is None else {"max_steps": cap}
+
+
+def prompt_ids(prompt) -> list[int]:
+    """A prompt given as token ids, checked: a list (or tuple, or 1-D integer tensor) of integers.
+    Floats, strings, bytes and bools are refused, naming the element and its index."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype == torch.bool:
+            raise ValueError(f"a prompt tensor must be 1-D with an integer dtype, got {prompt.dim()}-D "
+                             f"{prompt.dtype}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("empty prompt: give some text or a non-empty list of token ids")
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise ValueError(f"a prompt is a string or a list of token ids: element {i} is "
+                             f"{t!r} ({type(t).__name__}), not an integer")
+    return [int(t) for t in prompt]

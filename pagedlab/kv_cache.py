@@ -4,8 +4,8 @@
                   block id names the same place in every layer (one shared table, as in vLLM; the
                   original engine kept a separate table per layer).
   BlockAllocator  plain Python: a free list and an owner for every used block.
-  BlockTable      slot x logical block -> physical block, kept on the device for the kernels and
-                  updated one entry (or one row) at a time, never copied whole.
+  BlockTable      slot x logical block -> physical block, kept on the device for the kernels
+                  (by the runner) and updated a few entries at a time, never copied whole.
 """
 from __future__ import annotations
 
@@ -57,28 +57,22 @@ class BlockTable:
     row is the "null row" (padding rows of a CUDA-graph batch read it).
 
     The scheduler changes it a few entries at a time (a slot filled, a sequence crossing a block
-    boundary); the changes wait in `pending` and reach the device together, in one small copy per
-    step (`flush`). Entries past a sequence's length are never read, so freeing a slot writes
-    nothing: its stale entries are simply overwritten by the next owner."""
+    boundary); each step's changes reach the device together, in one small copy (`write`), never
+    as a copy of the whole table. Entries past a sequence's length are never read, so freeing a
+    slot writes nothing: its stale entries are simply overwritten by the next owner."""
 
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device, null_block: int = 0):
         self.table = torch.full((max_num_seqs + 1, max_blocks_per_seq), null_block, dtype=torch.int32,
                                 device=device)
         self.null_row = max_num_seqs
-        self.pending: list[tuple[int, int, int]] = []        # (slot, logical index, physical block)
 
-    def set(self, slot: int, start: int, blocks: list[int]) -> None:
-        """Logical blocks start, start+1, ... of `slot` are now `blocks`."""
-        self.pending += [(slot, start + i, b) for i, b in enumerate(blocks)]
-
-    def flush(self) -> None:
-        """Write every pending change with one host -> device copy and one indexed store."""
-        if self.pending:
-            latest = {(slot, i): b for slot, i, b in self.pending}     # a later write wins
+    def write(self, edits: list[tuple[int, int, int]]) -> None:
+        """(slot, logical index, physical block) entries -> the device: one copy, one indexed store."""
+        if edits:
+            latest = {(slot, i): b for slot, i, b in edits}     # a later write wins
             upd = torch.tensor([(s, i, b) for (s, i), b in latest.items()], dtype=torch.int64)
             upd = upd.to(self.table.device, non_blocking=True)
             self.table[upd[:, 0], upd[:, 1]] = upd[:, 2].to(torch.int32)
-            self.pending = []
 
 
 class KVCache:

@@ -1,17 +1,23 @@
 """The front door: LLM(model=...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]."""
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 
+import torch
+
 from .config import EngineConfig
-from .engine import Engine, resolve_device_dtype
+from .engine import Engine, max_positions, resolve_device_dtype
 from .kernels import select_kernels
 from .model import LlamaModel
 from .request import Request
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
 from .weights import DEFAULT_MODEL, load_checkpoint
+
+
+LLAMA3_VOCAB_SIZE = 128256      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
 
 
 @dataclass
@@ -21,26 +27,34 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str            # "stop", "length", "abort" or "error"
     ttft_s: float                 # time to first token (from add_request)
     itl_s: list[float]            # inter-token latencies
     num_preemptions: int
+    stop_reason: str | None = None   # finish_reason "stop": which token, from which source
+    error: str | None = None         # finish_reason "error": what went wrong
 
 
-def make_output(req: Request, tokenizer) -> RequestOutput:
+def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> RequestOutput:
     times = req.token_times
+    stop_reason = None
+    if req.finish_reason == "stop" and req.stop_token_id is not None:
+        t = req.stop_token_id
+        source = (stop_sources or {}).get(t) if t not in req.params.stop_token_ids else "stop_token_ids"
+        stop_reason = f"{tokenizer.decode([t])!r} (id {t}): {source or 'stop token'}"
     return RequestOutput(
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
         text=tokenizer.decode(req.output_token_ids, skip_special=True),
         token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
         ttft_s=times[0] - req.arrival_time if times else float("nan"),
-        itl_s=[b - a for a, b in zip(times, times[1:])], num_preemptions=req.num_preemptions)
+        itl_s=[b - a for a, b in zip(times, times[1:])], num_preemptions=req.num_preemptions,
+        stop_reason=stop_reason, error=req.error)
 
 
 def make_tokenizer(ckpt):
     """Llama 3 vocabularies use pagedlab's own Llama 3 tokenizer; other checkpoints their own."""
     c = ckpt.config
-    if c.vocab_size == 128256:
+    if c.vocab_size == LLAMA3_VOCAB_SIZE:
         try:
             return Llama3Tokenizer()
         except FileNotFoundError:
@@ -78,8 +92,8 @@ class LLM:
                                           seed=seed, **engine_kwargs)
         backend = resolve_backend(self.engine_config.attention_backend, device)
         kernels = select_kernels(backend, self.engine_config.decode_variant)
-        max_len = self.engine_config.max_model_len or self.config.max_position_embeddings
-        self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, kernels, max_positions=max_len)
+        self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, kernels,
+                                max_positions=max_positions(self.engine_config, self.config))
         self.tokenizer = tokenizer or make_tokenizer(ckpt)
         self.engine = Engine(self.model, self.tokenizer, self.engine_config)
 
@@ -87,41 +101,60 @@ class LLM:
     def trace(self):
         return self.engine.trace
 
+    def output(self, req: Request) -> RequestOutput:
+        return make_output(req, self.tokenizer, self.engine.stop_token_ids)
+
+    def abort(self, request_id: int) -> bool:
+        """Cancel a request (see Engine.abort)."""
+        return self.engine.abort(request_id)
+
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. chat=True wraps strings in the
         model's chat template. Returns one RequestOutput per prompt, in order. Every prompt is
-        checked before any is queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        checked before any is queued. If generate is interrupted (Ctrl-C, an exception in
+        on_finish) its unfinished requests are aborted; requests that others added through
+        engine.add_request and that finish meanwhile are handed back to the engine, not lost."""
+        if isinstance(prompts, (str, torch.Tensor)) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
-        ids = []
-        try:
-            for p, sp in zip(prompts, params_list):
-                ids.append(self.engine.add_request(p, sp, chat=chat))
-        except Exception:
-            for rid in ids:          # nothing half-queued: take back the ones already added
-                self.engine.scheduler.waiting.remove(self.engine.requests.pop(rid))
-            raise
-        wanted, done = set(ids), {}
+        eng = self.engine
+        checked = []
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                checked.append(eng.check_request(p, sp, chat=chat))
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+        ids = [eng.add_checked(*c) for c in checked]
+        wanted, done, others = set(ids), {}, []
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        while len(done) < len(wanted):
-            for r in self.engine.step():
-                if r.request_id in wanted:
-                    done[r.request_id] = out = make_output(r, self.tokenizer)
+        try:
+            while len(done) < len(wanted):
+                for r in eng.step():
+                    if r.request_id not in wanted:
+                        others.append(r)
+                        continue
+                    done[r.request_id] = out = self.output(r)
                     if bar:
                         bar.update(1)
                     if on_finish:
                         on_finish(out)
-        if bar:
-            bar.close()
+        finally:
+            if len(done) < len(wanted):        # interrupted: no orphans left running
+                for rid in ids:
+                    if rid not in done:
+                        eng.abort(rid)
+                eng.scheduler.finished = [r for r in eng.scheduler.finished if r.request_id not in wanted]
+            eng.scheduler.finished[:0] = others   # not ours: the next engine.step() hands them out
+            if bar:
+                bar.close()
         return [done[rid] for rid in ids]
 
     def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:

@@ -1,5 +1,5 @@
 """A request's life: WAITING in the queue -> RUNNING in a slot -> FINISHED (or PREEMPTED back to
-the front of the queue, to be recomputed later)."""
+the front of the queue, to be recomputed later). Only the scheduler changes a request's state."""
 from __future__ import annotations
 
 import enum
@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
+
+PENDING = -1        # an output token launched but not yet read back (engine.py, overlap)
 
 
 class RequestStatus(enum.Enum):
@@ -25,7 +27,9 @@ class Request:
     prompt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None          # "stop" (EOS / stop token) or "length"
+    finish_reason: str | None = None          # "stop" (EOS / stop token), "length", "abort", "error"
+    stop_token_id: int | None = None          # the token that stopped it (finish_reason "stop")
+    error: str | None = None                  # what went wrong (finish_reason "error")
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)   # physical blocks, in logical order
     num_computed: int = 0                     # tokens whose K/V are in the cache

@@ -1,6 +1,9 @@
 """The scheduler: a queue of waiting requests, `max_num_seqs` slots, and the block allocator.
 
-Each step it decides who runs, within a budget of `max_num_batched_tokens` tokens:
+It owns every request's state. A step is   batch = schedule()  ->  (the runner runs it)  ->
+accept(batch, tokens):
+
+schedule() decides who runs, within a budget of `max_num_batched_tokens` tokens:
   1. every decoding request computes one token and needs room for it; when the pool is out of
      blocks, the newest running request is preempted (blocks freed, back to the front of the queue;
      its tokens are kept and recomputed by a prefill when it returns);
@@ -11,22 +14,39 @@ Each step it decides who runs, within a budget of `max_num_batched_tokens` token
      the budget. Blocks for the whole prompt are taken at admission.
      policy "continuous": any free slot, any step.  policy "static": only when every slot is free,
      so a batch starts together and ends with its longest member.
-Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU.
+accept() appends each new token, finds the requests that stop, finishes them and frees their
+blocks; their slots are refilled by the next schedule(). Finished requests wait in `finished`
+until the engine hands them out (`take_finished`), so none is lost if a step is interrupted.
+
+accept = advance + settle. When the host runs one step ahead of the GPU (engine.py, overlap) the
+two halves happen apart: advance() when the step is launched (its tokens become PENDING
+placeholders), settle() once its tokens are read back.
+
+Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU. The block-table
+entries a step changes travel in its batch (`table_edits`); the runner writes them to the device.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .kv_cache import BlockAllocator, BlockTable, blocks_needed
-from .request import Request, RequestStatus
+from .kv_cache import BlockAllocator, blocks_needed
+from .request import PENDING, Request, RequestStatus
 
 
 @dataclass
-class ScheduledStep:
-    prefill: list[Request] = field(default_factory=list)     # new tokens: all not yet computed
-    decode: list[Request] = field(default_factory=list)      # one token each
+class Batch:
+    """One step's work, as schedule() decided it."""
+    prefill: list[Request] = field(default_factory=list)     # each computes a chunk of its prompt
+    decode: list[Request] = field(default_factory=list)      # each computes one token
     preempted: list[Request] = field(default_factory=list)
+    sampled: list[Request] = field(default_factory=list)     # who gets a next token, in row order
+    # (slot, logical block, physical block) entries of the block table to write before running;
+    # re-sent by every batch until one that carried them has run (writing twice is harmless)
+    table_edits: list[tuple[int, int, int]] = field(default_factory=list)
+    out_index: list[int] = field(default_factory=list)       # where each sampled token goes (advance)
+    view: dict | None = None                                 # slots, blocks, queue as they ran (trace)
 
     @property
     def empty(self) -> bool:
@@ -34,25 +54,37 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
-                 max_num_batched_tokens: int = 8192, policy: str = "continuous", device="cpu",
-                 null_block: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int = 8192, policy: str = "continuous",
+                 stop_token_ids: dict[int, str] | None = None, record_views: bool = False):
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        self.stop_token_ids = dict(stop_token_ids or {})   # token id -> where it comes from (EOS)
+        self.record_views = record_views
         self.allocator = BlockAllocator(num_blocks)
-        self.block_table = BlockTable(max_num_seqs, max_blocks_per_seq, device,
-                                      num_blocks if null_block is None else null_block)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.admitted: list[Request] = []     # running requests in the order they got their slot
+        self.requests: dict[int, Request] = {}   # every request not finished yet, by id
+        self.finished: list[Request] = []     # finished, not yet handed out (take_finished)
+        self.table_edits: list[tuple[int, int, int]] = []
+        self.unsettled: list[tuple[Batch, list[int] | None]] = []   # advanced, tokens not all in
 
     # -- queue and slots ------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.admitted)
+
+    def take_finished(self) -> list[Request]:
+        """The requests that finished since the last call (each handed out once)."""
+        out, self.finished = self.finished, []
+        return out
 
     # -- blocks ---------------------------------------------------------------
     def _grow(self, req: Request, num_tokens: int) -> bool:
@@ -62,13 +94,14 @@ class Scheduler:
             return True
         if need > self.allocator.num_free:
             return False
-        new = self.allocator.allocate(req.request_id, need)
-        self.block_table.set(req.slot, len(req.blocks), new)
-        req.blocks += new
+        start = len(req.blocks)
+        req.blocks += self.allocator.allocate(req.request_id, need)   # owned the moment it is taken
+        self.table_edits += [(req.slot, start + i, b) for i, b in enumerate(req.blocks[start:])]
         return True
 
     def _release(self, req: Request) -> None:
-        """Blocks back to the pool, the slot emptied."""
+        """Blocks back to the pool, the slot emptied. (Its table entries are not cleared: entries
+        past a sequence's length are never read, and the next owner overwrites them.)"""
         self.allocator.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
@@ -82,15 +115,32 @@ class Scheduler:
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
+    def finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        """Stop a request for good: blocks freed, slot emptied, out of the queue; handed out once."""
         if req.slot is not None:
             self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        while req.output_token_ids and req.output_token_ids[-1] == PENDING:
+            req.output_token_ids.pop()          # launched but never read: not part of the output
+        req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
+        req.finish_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        self.finished.append(req)
+
+    def abort(self, request_id: int) -> bool:
+        """Remove a request wherever it is (queued, prefilling, decoding, preempted). It is handed
+        out once more, with finish_reason "abort". False if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, "abort")
+        return True
 
     # -- one step -------------------------------------------------------------
-    def schedule(self) -> ScheduledStep:
-        step = ScheduledStep()
+    def schedule(self) -> Batch:
+        self._settle_leftovers()
+        step = Batch()
         # 1. decodes: room for each one's next token; oldest first, the newest is preempted.
         for req in list(self.admitted):
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
@@ -114,10 +164,8 @@ class Scheduler:
                 budget -= req.num_scheduled
                 step.prefill.append(req)
         # 3. fill free slots from the queue.
-        if self.policy == "static" and self.admitted:
-            self.block_table.flush()
-            return step
-        while self.waiting and None in self.slots and budget > 0:
+        fill = self.policy == "continuous" or not self.admitted    # static: only into an empty engine
+        while fill and self.waiting and None in self.slots and budget > 0:
             req = self.waiting[0]
             need = req.num_tokens - req.num_computed
             if budget < need <= self.max_num_batched_tokens:
@@ -133,5 +181,97 @@ class Scheduler:
             req.num_scheduled = min(need, budget)
             budget -= req.num_scheduled
             step.prefill.append(req)
-        self.block_table.flush()
+        # who gets a next token: a prefill chunk that reaches the end of its sequence, and decodes
+        step.sampled = [r for r in step.prefill if r.num_computed + r.num_scheduled == r.num_tokens]
+        step.sampled += step.decode
+        step.table_edits = list(self.table_edits)
+        if self.record_views:
+            step.view = self._view(step)
         return step
+
+    def accept(self, batch: Batch, tokens: list[int]) -> None:
+        """After the step ran: append each new token, stop, finish, free."""
+        self.advance(batch, tokens)
+        self.settle(batch, tokens)
+
+    def advance(self, batch: Batch, tokens: list[int] | None = None) -> None:
+        """The step is launched: its tokens are in the cache, and each sampled request's next token
+        is due (a PENDING placeholder until settle). Block-table edits it carried are written."""
+        batch.out_index = [len(r.output_token_ids) for r in batch.sampled]
+        self.unsettled.append((batch, tokens))
+        for r in batch.prefill + batch.decode:
+            r.num_computed += r.num_scheduled
+            r.num_scheduled = 0
+        for r in batch.sampled:
+            r.output_token_ids.append(PENDING)
+        del self.table_edits[:len(batch.table_edits)]
+
+    def settle(self, batch: Batch, tokens: list[int]) -> None:
+        """Each token in place of its placeholder; requests that are done stop. Safe to call again
+        for the same batch if it was interrupted (what is done stays done)."""
+        now = time.perf_counter()
+        for r, i, tok in zip(batch.sampled, batch.out_index, tokens):
+            if r.status is RequestStatus.FINISHED:
+                continue                    # stopped (or aborted) before: this row ran in vain
+            if r.output_token_ids[i] == PENDING:
+                r.output_token_ids[i] = tok
+                r.token_times.append(now)
+            reason = self.stop_reason(r, i)
+            if reason:
+                del r.output_token_ids[i + 1:]   # launched after the stop: never part of the output
+                self.finish(r, reason)
+        self.unsettled = [u for u in self.unsettled if u[0] is not batch]
+
+    def _settle_leftovers(self) -> None:
+        """Finish the settling of a step that was interrupted half-way through accept."""
+        for batch, tokens in list(self.unsettled):
+            if tokens is not None:
+                self.settle(batch, tokens)
+
+    def stop_reason(self, r: Request, i: int) -> str | None:
+        """Why the request stops at its output token i, or None."""
+        tok, p = r.output_token_ids[i], r.params
+        if (tok in self.stop_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            r.stop_token_id = tok
+            return "stop"
+        if i + 1 >= p.max_new_tokens or len(r.prompt_token_ids) + i + 1 >= self.max_model_len:
+            return "length"
+        return None
+
+    def can_run_ahead(self, max_batch: int) -> bool:
+        """Is the next step sure to be a decode of exactly the running requests whatever the tokens
+        of the step in flight are? (Greedy, none of them can stop by length in the step in flight,
+        blocks for all of them, nobody waiting.) Then it can be launched before that step is read."""
+        if self.waiting or not self.admitted or len(self.admitted) > max_batch:
+            return False
+        need = 0
+        for r in self.admitted:
+            p, n = r.params, r.num_tokens
+            if (not p.greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
+                    or n >= self.max_model_len):
+                return False
+            need += blocks_needed(n, self.block_size) - len(r.blocks)
+        return need <= self.allocator.num_free
+
+    def fail(self, req: Request, error: str) -> None:
+        """A step raised while serving this request: it finishes with finish_reason "error"."""
+        if req.status is not RequestStatus.FINISHED:
+            self.finish(req, "error", error)
+
+    def split(self, batch: Batch) -> list[Batch]:
+        """The batch as one batch per request (to find which request makes a step fail)."""
+        return [Batch(prefill=[r] if r in batch.prefill else [], decode=[r] if r in batch.decode else [],
+                      sampled=[r] if r in batch.sampled else [], table_edits=batch.table_edits)
+                for r in batch.prefill + batch.decode]
+
+    def _view(self, step: Batch) -> dict:
+        """The step as plain data, for the trace (slots as they run this step)."""
+        phases = {r.request_id: "prefill" for r in step.prefill} | {r.request_id: "decode" for r in step.decode}
+        return dict(
+            slot_request=[r.request_id if r else None for r in self.slots],
+            slot_phase=[phases.get(r.request_id) if r else None for r in self.slots],
+            block_table=[list(r.blocks) if r else [] for r in self.slots],
+            pool_used=self.allocator.num_used, pool_total=self.allocator.num_blocks,
+            queue=[r.request_id for r in self.waiting],
+            num_tokens=sum(r.num_scheduled for r in step.prefill + step.decode),
+            preempted=[r.request_id for r in step.preempted])

@@ -10,7 +10,6 @@ import torch
 
 from helpers import random_prompts, tiny_llm
 from pagedlab import SamplingParams
-from pagedlab.cuda_graph import DecodeGraphs
 from pagedlab.engine import PENDING
 # the same randomized stream (some requests stop on EOS) and its one-at-a-time reference
 from test_scheduler import check_invariants, reference, run_stream, stream  # noqa: F401
@@ -18,12 +17,8 @@ from test_scheduler import check_invariants, reference, run_stream, stream  # no
 
 def overlapped_llm(**kw):
     """A tiny CPU engine that takes the graph path (run eagerly) with overlap on."""
-    llm = tiny_llm(**kw)
-    eng = llm.engine
-    eng.graphs = DecodeGraphs(eng.model, eng.kv_cache, eng.scheduler.block_table.table,
-                              eng.max_model_len, eng.config.max_num_seqs, sizes=(1, 2, 3, 5),
-                              capture=False)
-    eng.overlap = True
+    llm = tiny_llm(cuda_graphs="eager", **kw)
+    assert llm.engine.overlap
     return llm
 
 

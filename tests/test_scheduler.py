@@ -41,7 +41,7 @@ def check_invariants(engine):
     for r in s.admitted:
         assert s.slots[r.slot] is r
         assert len(r.blocks) * s.block_size >= r.num_computed
-        row = s.block_table.table[r.slot, :len(r.blocks)].tolist()
+        row = engine.runner.block_table.table[r.slot, :len(r.blocks)].tolist()
         assert row == r.blocks, "device block table out of date"
     assert sum(x is not None for x in s.slots) == len(s.admitted)
 

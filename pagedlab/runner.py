@@ -1,0 +1,168 @@
+"""The runner: the device side of a step.
+
+    tokens = runner.run(batch)     # block-table edits -> pack -> forward -> sample -> one host read
+
+  * The device block table lives here; each batch brings the few entries that changed.
+  * Packing: each prefill's chunk of new tokens, then one token per decode, in flat tensors that
+    reach the device in one copy; logits are computed only where a next token is due.
+  * Where each new token's K/V goes (its KV slot) is computed in one place, `kv_slots`.
+  * Decode-only steps replay a captured CUDA graph instead of launching ~100 kernels
+    (cuda_graph.py); greedy tokens are chosen inside the graph.
+  * Sampling runs on the device; the chosen ids are the step's one device -> host read.
+
+`launch()` starts a step without waiting for it and `read()` waits for it: the engine's overlap
+loop launches step n+1 before it reads step n (`after=`: its rows' input tokens are then taken on
+the device from step n's output).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata
+from .kv_cache import BlockTable, blocks_needed
+from .sampling import sample
+
+MAX_GRAPH_BATCH = 512      # the largest decode batch captured as a CUDA graph
+
+
+def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Where tokens start..end-1 of a sequence keep their K and V: token p goes to physical block
+    blocks[p // block_size] at offset p % block_size, flat slot blocks[p // bs] * bs + p % bs.
+    (Built one block at a time, not one Python step per token.)"""
+    bs, out = block_size, []
+    for j in range(start // bs, blocks_needed(end, bs)):
+        base = blocks[j] * bs
+        out += range(base + max(start - j * bs, 0), base + min(end - j * bs, bs))
+    return out
+
+
+@dataclass
+class Launch:
+    """A step on its way: where each request's token is, and how to get the tokens."""
+    rows: dict[int, int]           # request id -> row of its token in this step's output
+    tokens: list[int] | None       # already on the host (eager steps and sampled steps)
+    replay: object = None          # cuda_graph.Replay: tokens still on the device
+
+    @property
+    def read_later(self) -> bool:
+        return self.tokens is None
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_model_len: int, cuda_graphs=True):
+        """cuda_graphs: True (capture on CUDA), False (never), "eager" (the graph code path run
+        without capturing, on any device: what the CPU tests use to check the overlap loop)."""
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = model.device
+        self.block_table = BlockTable(max_num_seqs, blocks_needed(max_model_len, self.block_size),
+                                      self.device, kv_cache.null_block)
+        self.graphs = None
+        if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
+            from .cuda_graph import DecodeGraphs
+            self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
+                                       min(max_num_seqs, MAX_GRAPH_BATCH), capture=cuda_graphs is True)
+        self.last: Launch | None = None      # the latest launch, if it completed
+
+    def run(self, batch) -> list[int]:
+        """Run a step to its end: the sampled tokens, on the host, in batch.sampled order."""
+        return self.read(self.launch(batch))
+
+    def read(self, launch: Launch) -> list[int]:
+        """Wait for that step only (not for anything launched after it) and return its tokens."""
+        return launch.tokens if launch.tokens is not None else launch.replay.read_tokens()
+
+    def replays(self, batch) -> bool:
+        """Is this step a CUDA-graph replay (decode only, a captured size)?"""
+        return self.graphs is not None and not batch.prefill and self.graphs.batch_size(len(batch.decode)) is not None
+
+    def launch(self, batch, after: Launch | None = None) -> Launch:
+        """Start the step. `after`: the launch just before this one, not read yet; rows of this
+        step whose previous token is still on the device take it from there."""
+        prev, self.last = self.last, None
+        if after is not None and after is not prev:
+            raise RuntimeError("launch(after=...) must name the latest launch")
+        self.block_table.write(batch.table_edits)
+        reqs = batch.sampled
+        if self.replays(batch):
+            replay = self.graphs.launch(self._graph_rows(reqs, after.rows if after is not None else {}))
+            logits, tokens = replay.logits, None
+        else:
+            input_ids, positions, meta, rows = self._pack(batch)
+            logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
+            replay = None
+        if replay is None or not all(r.params.greedy for r in reqs):
+            tokens = self._sample(logits, reqs)
+        self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
+        return launch
+
+    # -- inputs -----------------------------------------------------------------
+    def _pack(self, batch):
+        """The step's tensors: each prefill's chunk of new tokens, then one token per decode.
+        Logits are computed only where a next token is due: the last token of a prefill that
+        completes its sequence, and every decode."""
+        bs = self.block_size
+        ids, pos, slot_mapping = [], [], []          # per token
+        cu, p_lens, logit_rows = [0], [], []
+        for r in batch.prefill:
+            start, end = r.num_computed, r.num_computed + r.num_scheduled
+            ids += r.all_token_ids[start:end]
+            pos += range(start, end)
+            slot_mapping += kv_slots(r.blocks, start, end, bs)
+            cu.append(cu[-1] + r.num_scheduled)
+            p_lens.append(end)
+            if end == r.num_tokens:
+                logit_rows.append(cu[-1] - 1)
+        d_lens = [r.num_tokens for r in batch.decode]
+        for r in batch.decode:
+            ids.append(r.last_token_id)
+            pos.append(r.num_tokens - 1)
+            slot_mapping += kv_slots(r.blocks, r.num_tokens - 1, r.num_tokens, bs)
+        logit_rows += range(cu[-1], cu[-1] + len(batch.decode))
+        table = self.block_table.table
+        p_slots, d_slots = [r.slot for r in batch.prefill], [r.slot for r in batch.decode]
+        parts = [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
+        flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
+        flat = flat.to(self.device, non_blocking=True)          # one host -> device copy per step
+        ids_t, positions, slots_t, cu_t, p_lens_t, d_lens_t, p_slots_t, d_slots_t, rows_t = \
+            flat.split([len(part) for part in parts])
+        # Only as many block-table columns as the longest sequence uses (kernels never read past).
+        p_cols = blocks_needed(max(p_lens, default=1), bs)
+        d_cols = blocks_needed(max(d_lens, default=1), bs)
+        meta = AttentionMetadata(
+            slot_mapping=slots_t, num_prefill_tokens=cu[-1],
+            prefill_block_table=table[p_slots_t, :p_cols], cu_seqlens_q=cu_t.int(),
+            prefill_seq_lens=p_lens_t.int(),
+            max_q_len=max((cu[i + 1] - cu[i] for i in range(len(batch.prefill))), default=0),
+            decode_block_table=table[d_slots_t, :d_cols], decode_seq_lens=d_lens_t.int(),
+            max_seq_len=max(d_lens, default=0))
+        return ids_t, positions, meta, rows_t
+
+    def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
+        """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
+        step before whose (not yet read) token is this request's input, or -1."""
+        bs, rows = self.block_size, []
+        for r in reqs:
+            n = r.num_tokens
+            rows.append((max(r.last_token_id, 0), n - 1, kv_slots(r.blocks, n - 1, n, bs)[0], n, r.slot,
+                         pending.get(r.request_id, -1)))
+        return rows
+
+    # -- output -----------------------------------------------------------------
+    def _sample(self, logits, reqs) -> list[int]:
+        ps = [r.params for r in reqs]
+        if all(p.greedy for p in ps):
+            tokens = logits.argmax(dim=-1)
+        else:
+            dev = logits.device
+            tokens = sample(
+                logits,
+                temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
+                top_k=torch.tensor([p.top_k for p in ps], device=dev),
+                top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
+                seeds=torch.tensor([r.seed for r in reqs], device=dev),
+                positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
+                any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps))
+        return tokens.tolist()          # the step's one device -> host read
