@@ -7,41 +7,150 @@ over sequences is needed. Only the chosen token ids leave the device.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+from dataclasses import InitVar, dataclass
 
 import torch
 
 _M32 = 0xFFFFFFFF
+_INT32_MAX = 2**31 - 1
+_SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
+_MAX_TEMPERATURE = 1e4
+_DEFAULT_MAX_NEW_TOKENS = 64
 
 
-@dataclass
+class _Unset:
+    """The default of max_new_tokens: 64, unless the alias max_tokens is given."""
+    def __repr__(self):
+        return f"<{_DEFAULT_MAX_NEW_TOKENS} unless max_tokens is given>"
+
+
+_UNSET = _Unset()
+
+
+def _show(v) -> str:
+    """repr(v) kept short (and safe: a huge int's repr can itself raise)."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        n = int(v)
+        if n.bit_length() > 128:
+            return f"{'-' if n < 0 else ''}<an integer of {n.bit_length()} bits>"
+    try:
+        s = repr(v)
+    except Exception:                     # noqa: BLE001 -- only for the message
+        s = f"<{type(v).__name__}>"
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _bad(msg: str):
+    raise ValueError(f"SamplingParams: {msg}")
+
+
+def _check_int(name: str, v, lo: int, hi: int, what: str) -> int:
+    """A real integer (not a bool, not a float such as 2.0) with lo <= v <= hi, as a Python int."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        _bad(f"{name} must be an integer {what}, got {_show(v)}")
+    n = int(v)
+    if not lo <= n <= hi:
+        _bad(f"{name} must be an integer {what}, got {_show(v)}")
+    return n
+
+
+def _check_real(name: str, v, lo: float, hi: float, what: str, lo_open: bool = False) -> float:
+    """A finite real number (not a bool) in [lo, hi] ((lo, hi] when lo_open), as a Python float.
+    Integers are range-checked before float() so that 10**400 is refused, not an OverflowError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        _bad(f"{name} must be {what}, got {_show(v)}")
+    if isinstance(v, numbers.Integral):
+        n = int(v)
+        ok = (lo < n if lo_open else lo <= n) and n <= hi
+        if not ok:
+            _bad(f"{name} must be {what}, got {_show(v)}")
+        return float(n)
+    try:
+        x = float(v)
+    except (OverflowError, ValueError, TypeError):
+        _bad(f"{name} must be {what}, got {_show(v)}")
+    if not math.isfinite(x) or not ((lo < x) if lo_open else (lo <= x)) or not x <= hi:
+        _bad(f"{name} must be {what}, got {_show(v)}")
+    return x
+
+
+@dataclass(frozen=True)
 class SamplingParams:
-    max_new_tokens: int = 64
+    """How one request is decoded. Immutable (derive a variant with dataclasses.replace) and
+    checked when built, so that a bad value fails here, in the caller's hands, and never later
+    inside a running engine step. Every error is a ValueError that starts with "SamplingParams:"
+    and names the field and the value.
+
+    max_new_tokens  integer, 1 .. 2**31-1. `max_tokens` (the OpenAI / vLLM name) is accepted as an
+                    init-only alias; if both are given they must agree. Read max_new_tokens.
+    temperature     finite number, 0 .. 1e4 (0 = greedy); stored as a float.
+    top_k           integer, 0 .. 2**31-1 (0 = off).
+    top_p           finite number in (0, 1] (1 = off); stored as a float.
+    seed            None (drawn from the engine's seed) or an integer, 0 .. 2**63-1 (it travels in
+                    an int64 tensor).
+    stop_token_ids  a list, tuple, set or frozenset of integer token ids, 0 .. 2**31-1; stored as
+                    a tuple (a set's ids sorted).
+    ignore_eos      a bool.
+    Booleans are refused wherever a number is expected.
+    """
+    max_new_tokens: int = _UNSET      # type: ignore[assignment] -- 64 unless max_tokens is given
     temperature: float = 0.0          # 0 -> greedy
     top_k: int = 0                    # 0 -> off
     top_p: float = 1.0                # 1 -> off
     seed: int | None = None           # None -> drawn from the engine's seed
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    max_tokens: InitVar[int | None] = None   # alias of max_new_tokens (init only)
 
-    def __post_init__(self):
-        def bad(msg):
-            raise ValueError(f"SamplingParams: {msg}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0 or self.temperature == float("inf"):
-            bad(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            bad(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            bad(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            bad(f"seed must be an integer or None, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+    def __post_init__(self, max_tokens):
+        put = object.__setattr__             # frozen: normalized values are stored this way
+        given = self.max_new_tokens is not _UNSET
+        n = (_check_int("max_new_tokens", self.max_new_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
+             if given else _DEFAULT_MAX_NEW_TOKENS)
+        if max_tokens is not None:
+            m = _check_int("max_tokens", max_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
+            if given and m != n:
+                _bad(f"max_tokens={m} and max_new_tokens={n} disagree (max_tokens is an alias of "
+                     "max_new_tokens: give one of them)")
+            n = m
+        put(self, "max_new_tokens", n)
+        put(self, "temperature", _check_real("temperature", self.temperature, 0.0, _MAX_TEMPERATURE,
+                                             "a finite number in [0, 1e4] (0 = greedy)"))
+        put(self, "top_k", _check_int("top_k", self.top_k, 0, _INT32_MAX, "in [0, 2**31-1] (0 = off)"))
+        put(self, "top_p", _check_real("top_p", self.top_p, 0.0, 1.0, "a finite number in (0, 1] (1 = off)",
+                                       lo_open=True))
+        if self.seed is not None:
+            put(self, "seed", _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "in [0, 2**63-1] or None"))
+        put(self, "stop_token_ids", _check_stop_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            _bad(f"ignore_eos must be a bool (True or False), got {_show(self.ignore_eos)}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_stop_ids(ids) -> tuple[int, ...]:
+    if not isinstance(ids, (list, tuple, set, frozenset)):
+        _bad(f"stop_token_ids must be a list, tuple or set of integer token ids, got {_show(ids)}")
+    seq = sorted(ids, key=_sort_key) if isinstance(ids, (set, frozenset)) else list(ids)
+    out = []
+    for i, t in enumerate(seq):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            _bad(f"stop_token_ids[{i}] must be an integer token id, got {_show(t)}")
+        n = int(t)
+        if not 0 <= n <= _INT32_MAX:
+            _bad(f"stop_token_ids[{i}] must be an integer token id in [0, 2**31-1], got {_show(t)}")
+        out.append(n)
+    return tuple(out)
+
+
+def _sort_key(t):
+    """Orders a set's members for a reproducible tuple (any junk among them is refused later)."""
+    ok = isinstance(t, numbers.Integral) and not isinstance(t, bool)
+    return (0, int(t), "") if ok else (1, 0, repr(type(t)))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -52,12 +161,24 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Uniform (0, 1) noise [B, V], a pure function of (seed, position, token id)."""
+def counter_bits(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """32 random bits [B, V] (int64 in [0, 2**32)), a pure function of (seed, position, token id)."""
     row = _hash32(_hash32(seeds) ^ _hash32(positions * 0x2545F491 + 0x9E3779B9))
     col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _hash32(row[:, None] ^ _hash32(col * 0x27D4EB2D + 0x165667B1)[None, :])
-    return (bits.float() + 0.5) / 4294967296.0
+    return _hash32(row[:, None] ^ _hash32(col * 0x27D4EB2D + 0x165667B1)[None, :])
+
+
+_BELOW_ONE = 1.0 - 2.0**-24            # the largest float32 below 1
+
+
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [B, V], a pure function of (seed, position, token id).
+    Strictly below 1: in float32, (bits + 0.5) / 2**32 rounds to exactly 1.0 for the top ~2**-24 of
+    the bits (one token in ~17M: about one sampling step in 130 at a 128k vocabulary), whose Gumbel
+    noise would be +inf and pick that token whatever its logit -- or NaN, and still pick it, when
+    top-k / top-p had masked it. Those values are clamped to the float32 just below 1."""
+    u = (counter_bits(seeds, positions, vocab_size).float() + 0.5) / 4294967296.0
+    return u.clamp_(max=_BELOW_ONE)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -77,7 +198,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         k = torch.where(top_k > 0, top_k, v)[:, None]
         drop = rank >= k
         probs = sorted_logits.softmax(dim=-1)
-        drop |= (probs.cumsum(dim=-1) - probs) > top_p[:, None]      # keep the smallest set reaching p
+        # keep the smallest set reaching p -- only on rows that asked for it: in float32 the cumsum
+        # can pass 1.0 before the last tokens, and a row with top_p = 1 must not lose that tail
+        # (it must draw the token it would draw alone, whatever its batch-mates use)
+        drop |= ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) & (top_p < 1)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
     gumbel = -torch.log(-torch.log(counter_uniform(seeds, positions, v)))

@@ -1,6 +1,8 @@
-"""The trace: what happened at every engine step, as plain data the notebooks can draw."""
+"""The trace: what happened at every engine step (the last 10,000 by default), as plain data the
+notebooks can draw."""
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -22,26 +24,68 @@ class StepRecord:
 
 
 class Trace:
-    def __init__(self, num_slots: int, block_size: int, num_blocks: int):
+    """The engine's steps as StepRecords, oldest first -- a ring of the last `max_steps` steps.
+
+    A step record takes a few KB, so an engine that runs for days would otherwise grow without
+    bound: by default only the last 10,000 steps are kept (max_steps=None keeps every step). When
+    the ring is full each new step pushes the oldest out; `num_dropped` counts them, and
+    `next_step` is the absolute number of the next step (every step ever appended), which is what
+    StepRecord.step should be -- so step numbers keep counting across the drops, and
+    trace[0].step == trace.num_dropped when every record was numbered by next_step.
+
+    `steps` is a list (a fresh copy, oldest first), `trace[i]` takes an int or a slice, `len(trace)`
+    is the number of steps kept, and iterating goes oldest first. utilization(), timeline() and
+    to_dicts() describe the kept steps only.
+    """
+    DEFAULT_MAX_STEPS = 10_000
+
+    def __init__(self, num_slots: int, block_size: int, num_blocks: int,
+                 max_steps: int | None = DEFAULT_MAX_STEPS):
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                      or max_steps < 1):
+            raise ValueError(f"Trace: max_steps must be an integer >= 1 or None (unbounded), got {max_steps!r}")
         self.num_slots, self.block_size, self.num_blocks = num_slots, block_size, num_blocks
-        self.steps: list[StepRecord] = []
+        self.max_steps = max_steps
+        self._steps: deque[StepRecord] = deque(maxlen=max_steps)
+        self._appended = 0
 
     def append(self, record: StepRecord) -> None:
-        self.steps.append(record)
+        self._steps.append(record)
+        self._appended += 1
+
+    @property
+    def steps(self) -> list[StepRecord]:
+        """The kept steps, oldest first (a new list: appending to it does not touch the trace)."""
+        return list(self._steps)
+
+    @property
+    def next_step(self) -> int:
+        """How many steps were ever appended: the absolute number of the next step."""
+        return self._appended
+
+    @property
+    def num_dropped(self) -> int:
+        """How many old steps fell off the ring."""
+        return self._appended - len(self._steps)
 
     def __len__(self):
-        return len(self.steps)
+        return len(self._steps)
+
+    def __iter__(self):
+        return iter(self._steps)
 
     def __getitem__(self, i):
-        return self.steps[i]
+        if isinstance(i, slice):
+            return list(self._steps)[i]
+        return self._steps[i]
 
     def to_dicts(self) -> list[dict]:
-        return [asdict(s) for s in self.steps]
+        return [asdict(s) for s in self._steps]
 
     def utilization(self) -> float:
         """Fraction of slot-steps that did work (prefill or decode)."""
-        busy = sum(p is not None for s in self.steps for p in s.slot_phase)
-        return busy / max(1, len(self.steps) * self.num_slots)
+        busy = sum(p is not None for s in self._steps for p in s.slot_phase)
+        return busy / max(1, len(self._steps) * self.num_slots)
 
     def timeline(self, width: int | None = None) -> str:
         """A compact text picture: one row per slot, one column per step; a letter per request
@@ -51,7 +95,7 @@ class Trace:
                 return "."
             ch = "abcdefghijklmnopqrstuvwxyz"[rid % 26]
             return ch.upper() if phase == "prefill" else ch
-        steps = self.steps if width is None else self.steps[:width]
+        steps = list(self._steps) if width is None else list(self._steps)[:width]
         rows = []
         for slot in range(self.num_slots):
             rows.append(f"slot {slot:2d} |" + "".join(mark(s.slot_request[slot], s.slot_phase[slot])

@@ -3,7 +3,7 @@ import torch
 
 from helpers import tiny_llm
 from pagedlab import SamplingParams
-from pagedlab.sampling import counter_uniform, sample
+from pagedlab.sampling import counter_bits, counter_uniform, sample
 
 
 def rows(b, v, seed=0):
@@ -52,6 +52,62 @@ def test_counter_noise_is_uniform_and_depends_on_every_input():
     a = counter_uniform(torch.tensor([5]), torch.tensor([9]), 100)
     assert not torch.equal(a, counter_uniform(torch.tensor([6]), torch.tensor([9]), 100))
     assert not torch.equal(a, counter_uniform(torch.tensor([5]), torch.tensor([10]), 100))
+
+
+def gumbel(seed, pos, v):
+    return -torch.log(-torch.log(counter_uniform(torch.tensor([seed]), torch.tensor([pos]), v)[0]))
+
+
+def needle_row(v=50_000, logit_seed=0, noise_seed=513, margin=0.5):
+    """Many similar logits and one far-tail token, the needle, that still wins the Gumbel race of
+    (seed=noise_seed, position 0) by `margin`: sampled alone and unfiltered, the row draws the needle.
+    Its probability (~4e-8) lies where the float32 cumsum of the sorted probabilities has passed 1.0.
+    (noise_seed was searched for; only the construction is fixed here, not the token.)"""
+    lg = torch.randn(v, generator=torch.Generator().manual_seed(logit_seed)) * 0.5
+    g = gumbel(noise_seed, 0, v)
+    j = int(g.argmax())
+    others = lg + g
+    others[j] = float("-inf")
+    lg[j] = others.max() - g[j] + margin
+    return lg, j
+
+
+@pytest.mark.parametrize("mate_k, mate_p", [(20, 1.0), (0, 0.9), (5, 0.5)])
+def test_an_unfiltered_row_ignores_its_batch_mates_filters(mate_k, mate_p):
+    """top_p = 1, top_k = 0 is no filter: the row draws what it draws alone, whatever its batch-mates
+    use -- even where float32 rounding pushes the cumsum of its sorted probabilities above 1.0."""
+    seed = 513
+    lg, needle = needle_row(noise_seed=seed)
+    sp, order = lg.sort(descending=True)
+    probs = sp.softmax(-1)
+    overshoot = (probs.cumsum(-1) - probs) > 1.0            # the old top-p test with p = 1
+    assert needle in set(order[overshoot].tolist()), "the construction no longer overshoots in fp32"
+    alone = sample(lg[None], torch.tensor([1.0]), torch.tensor([0]), torch.tensor([1.0]),
+                   torch.tensor([seed]), torch.tensor([0]), any_top_filter=False)
+    assert int(alone) == needle
+    for row in (0, 1):                                      # the unfiltered row first or second
+        batch = torch.stack([lg, lg])
+        t, k, p = torch.tensor([1.0, 0.7]), torch.tensor([0, mate_k]), torch.tensor([1.0, mate_p])
+        seeds = torch.tensor([seed, 7])
+        if row == 1:
+            t, k, p, seeds = t.flip(0), k.flip(0), p.flip(0), seeds.flip(0)
+        got = sample(batch, t, k, p, seeds, torch.zeros(2, dtype=torch.long), any_top_filter=True)
+        assert int(got[row]) == int(alone)
+
+
+def test_noise_stays_below_one():
+    """(bits + 0.5) / 2**32 rounds to exactly 1.0 in float32 for the top bits: Gumbel noise +inf,
+    which picked that token whatever its logit (NaN, and still picked, where a filter masked it)."""
+    v, seed = 50_000, 1678
+    raw = (counter_bits(torch.tensor([seed]), torch.tensor([0]), v).float() + 0.5) / 4294967296.0
+    j = int(raw[0].argmax())
+    assert raw[0, j] == 1.0, "this (seed, position) no longer hits the rounding"
+    assert counter_uniform(torch.tensor([seed]), torch.tensor([0]), v).max() < 1
+    lg = rows(1, v)
+    lg[0, j] = lg.min() - 1                                  # the least likely token
+    assert int(call(lg, seeds=torch.tensor([seed]))) != j
+    assert int(call(lg, k=1, seeds=torch.tensor([seed]))) == int(lg.argmax())
+    assert int(call(lg, p=0.5, seeds=torch.tensor([seed]))) != j
 
 
 def test_seeded_requests_reproduce_whatever_shares_their_batch():
