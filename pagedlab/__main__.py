@@ -1,12 +1,102 @@
-"""Command line: python -m pagedlab demo | generate | bench kernels | bench engine | bench gemv"""
+"""Command line: python -m pagedlab demo | generate | bench kernels|engine|gemv|step
+
+Every argument is checked before the model is loaded (loading takes seconds to a minute): a bad
+one is one line on stderr that names its flag, and exit status 2.
+"""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
 import sys
 
+from .bench import BENCHMARKS
+
 DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
+USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
+SEED_LIMIT = 2 ** 63                                   # seeds are int64 on the device
+DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+               "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+DEVICE_HINTS = {"gpu": "cuda", "nvidia": "cuda", "cude": "cuda", "cpus": "cpu", "host": "cpu"}
 
 
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    text = " ".join(str(message).split())
+    print(f"error: {text}", file=sys.stderr)
+    raise SystemExit(USAGE_ERROR)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (the full usage stays under --help)."""
+
+    def error(self, message):
+        fail(f"{message} (see: {self.prog} --help)")
+
+
+# ------------------------------------------------------------------ argument checks
+def check_device(device: str | None) -> str | None:
+    """--device: None, cpu, cuda or cuda:N, and a CUDA device that torch can see."""
+    if device is None:
+        return None
+    name = device.strip().lower()
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        base, _, index = name.partition(":")
+        guess = DEVICE_HINTS.get(base)
+        hint = f" (did you mean {guess + (':' + index if index else '')}?)" if guess else ""
+        fail(f"--device must be cpu, cuda or cuda:N, got {device!r}{hint}")
+    if name.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            fail(f"--device {name}: no CUDA device here (torch.cuda.is_available() is False); "
+                 f"use --device cpu")
+        if ":" in name and int(name.split(":")[1]) >= torch.cuda.device_count():
+            fail(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return name
+
+
+def check_dtype(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    name = DTYPE_NAMES.get(dtype.strip().lower())
+    if name is None:
+        fail(f"--dtype must be bfloat16, float16 or float32 (or bf16, fp16, fp32), got {dtype!r}")
+    return name
+
+
+def check_args(args) -> None:
+    """Every argument of demo/generate, before anything is loaded. Normalises device and dtype."""
+    if not args.model.strip():
+        fail("--model must name a model, got an empty string")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        fail(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.slots < 1:
+        fail(f"--slots must be >= 1, got {args.slots}")
+    if args.max_new_tokens < 1:
+        fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if getattr(args, "top_k", 0) < 0:
+        fail(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    top_p = getattr(args, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:                    # also rejects nan
+        fail(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        fail(f"--seed must be in [0, 2**63), got {seed}")
+    for i, prompt in enumerate(args.prompts, 1):
+        if not prompt.strip():
+            fail(f"PROMPT {i} of {len(args.prompts)} is empty: give some text to answer")
+    args.device = check_device(args.device)
+    args.dtype = check_dtype(args.dtype)
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+        on_cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
+        if on_cpu:
+            fail("--backend triton on CPU runs in Triton's interpreter: set TRITON_INTERPRET=1 "
+                 "in the environment, or use --backend torch or --device cuda")
+
+
+# ------------------------------------------------------------------ commands
 def _llm(args, **kw):
     from .llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
@@ -40,56 +130,67 @@ def demo(args) -> None:
 
 def generate(args) -> None:
     from .sampling import SamplingParams
-    llm = _llm(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    llm = _llm(args)
     for o in llm.generate(args.prompts, params, chat=not args.raw):
         print(o.text.strip())
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pagedlab", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="python -m pagedlab", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,generate,bench}")
 
     def common(sp):
         sp.add_argument("--model", default="smollm2",
                         help="smollm2 (embedded), random:tiny, random:llama-3.2-1b, a .gguf, a checkpoint "
                              "directory, or a hub id such as meta-llama/Llama-3.2-1B-Instruct")
-        sp.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-        sp.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: bf16 on cuda, fp32 on cpu)")
-        sp.add_argument("--slots", type=int, default=2, help="max sequences decoding together")
+        sp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+        sp.add_argument("--dtype", default=None,
+                        help="bfloat16, float16 or float32 (default: bf16 on cuda, fp32 on cpu)")
+        sp.add_argument("--slots", type=int, default=2, help="max sequences decoding together (>= 1)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-        sp.add_argument("--max-new-tokens", type=int, default=48)
-        sp.add_argument("--temperature", type=float, default=0.0)
+        sp.add_argument("--max-new-tokens", type=int, default=48, help=">= 1")
+        sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
 
     d = sub.add_parser("demo", help="the four prompts of the original engine, 2 slots")
     common(d)
-    d.add_argument("prompts", nargs="*")
+    d.add_argument("prompts", nargs="*", metavar="PROMPT")
     g = sub.add_parser("generate", help="answer prompts")
     common(g)
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g.add_argument("--top-k", type=int, default=0, help=">= 0 (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="in [0, 2**63)")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    b = sub.add_parser("bench", help="benchmarks: kernels | engine | gemv | step | boundaries")
-    b.add_argument("what", choices=["kernels", "engine", "gemv", "step", "boundaries"])
+    b = sub.add_parser("bench", help="benchmarks (CUDA): " + " | ".join(BENCHMARKS),
+                       description="Benchmarks on a CUDA GPU. The arguments after the name go to "
+                                   "the benchmark: python -m pagedlab bench NAME --help")
+    b.add_argument("what", choices=BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.cmd == "bench":
+        import importlib
+        mod = importlib.import_module(f"pagedlab.bench.{args.what}")
+        return mod.main(args.rest) or 0
+    check_args(args)
+    from .weights import GatedModelError, ModelNotFound
     try:
-        if args.cmd == "demo":
-            demo(args)
-        elif args.cmd == "generate":
-            generate(args)
-        elif args.cmd == "bench":
-            import importlib
-            mod = importlib.import_module(f"pagedlab.bench_{args.what}")
-            mod.main(args.rest)
-    except (ValueError, FileNotFoundError, PermissionError, NotImplementedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        (demo if args.cmd == "demo" else generate)(args)
+    except (ModelNotFound, GatedModelError) as e:
+        fail(f"--model: {e}")
+    except (ValueError, OSError, NotImplementedError) as e:   # OSError: a download, a file
+        fail(e)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

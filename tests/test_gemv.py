@@ -25,9 +25,14 @@ ROWS = [1, 3, gemv.MAX_ROWS, gemv.MAX_ROWS + 3]   # fused kernel up to MAX_ROWS,
 # launch configs: the defaults, and small tiles that split K over several programs (split-K with
 # its in-kernel reduction) even at the small CPU shapes; BLOCK_R 8 (M = 1 only, else raised to 16)
 SPLIT = dict(BLOCK_R=8, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=2)
-CONFIGS = {"default": None, "split": SPLIT}
+CONFIGS = {"default": None, "split": SPLIT}    # None: the launcher's own default (GEMV_CONFIG)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def cfg(config):
+    """Keyword arguments that pass `config` explicitly, or leave the launcher's default."""
+    return {} if config is None else {"config": config}
 
 
 def rel_err(out, ref):
@@ -59,7 +64,7 @@ def test_linear_residual(config, dtype, shape, t):
     for k, n in [(hidden, hidden), (inter, hidden)]:           # o_proj and down_proj shapes
         x, w = rand(t, k, dtype=dtype, gen=gen), rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
         r = rand(t, n, dtype=dtype, gen=gen)
-        out = gemv.linear_residual_triton(x, w, r, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
+        out = gemv.linear_residual_triton(x, w, r, **cfg(CONFIGS[config]), fused=t <= gemv.MAX_ROWS)
         assert out.shape == (t, n) and out.dtype == dtype
         check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
 
@@ -74,7 +79,7 @@ def test_norm_swiglu(config, dtype, shape, t):
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=3.0)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(2 * inter, hidden, dtype=dtype, gen=gen, scale=hidden ** -0.5)
-    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
+    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, **cfg(CONFIGS[config]), fused=t <= gemv.MAX_ROWS)
     assert out.shape == (t, inter) and out.dtype == dtype
     check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)), dtype)
 
@@ -89,7 +94,7 @@ def test_norm_lm_head(config, dtype, shape, t):
     x = rand(t, hidden, dtype=dtype, gen=gen, scale=0.5)
     g = rand(hidden, dtype=dtype, gen=gen)
     w = rand(vocab, hidden, dtype=dtype, gen=gen, scale=0.05)
-    out = gemv.norm_lm_head_triton(x, g, 1e-5, w, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
+    out = gemv.norm_lm_head_triton(x, g, 1e-5, w, **cfg(CONFIGS[config]), fused=t <= gemv.MAX_ROWS)
     assert out.shape == (t, vocab) and out.dtype == torch.float32
     ref = gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w))
     check(out, ref, dtype)
@@ -98,7 +103,7 @@ def test_norm_lm_head(config, dtype, shape, t):
         clear = (top2[:, 0] - top2[:, 1]) > 4 * TOL[dtype] * ref.abs().max()
         assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
     # greedy=True: the in-kernel argmax is exactly torch's argmax of the same logits
-    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, **cfg(CONFIGS[config]), fused=t <= gemv.MAX_ROWS)
     assert tokens.dtype == torch.int64 and torch.equal(logits, out)
     assert torch.equal(tokens, out.argmax(-1))
 
@@ -140,7 +145,7 @@ def test_norm_qkv_rope_store(config, dtype, shape, t, block_size):
     v_cache = rand(num_blocks, block_size, hkv, d, dtype=dtype, gen=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:t].to(DEV)   # scattered slots
     kc, vc = k_cache.clone(), v_cache.clone()
-    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, config=CONFIGS[config], fused=t <= gemv.MAX_ROWS)
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq, **cfg(CONFIGS[config]), fused=t <= gemv.MAX_ROWS)
     kr, vr = f64(k_cache), f64(v_cache)
     qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
                                         kr, vr, slots, hq)
@@ -213,10 +218,39 @@ def test_pdl_mode_is_checked_and_off_on_cpu():
     import sys
 
     from pagedlab.kernels import pdl
-    assert pdl.pdl_mode(torch.device("cpu")) == 0 and pdl.launch_options(0) == {}
+    cpu = torch.device("cpu")
+    assert pdl.pdl_flag(cpu) == 0 and pdl.pdl_flag(cpu, "late") == 0 and pdl.launch_options(0) == {}
+    with pytest.raises(ValueError, match="must be one of"):
+        pdl.pdl_flag(cpu, "prefetch")                   # a retired mode
     bad = subprocess.run([sys.executable, "-c", "import pagedlab.kernels.pdl"], capture_output=True,
                          text=True, env=dict(os.environ, PAGEDLAB_PDL="sometimes"))
     assert bad.returncode != 0 and "PAGEDLAB_PDL must be one of" in bad.stderr
+
+
+def test_gemv_config_from_env_is_checked_and_defaults_never_change(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from pagedlab.kernels.launch import to_plain
+    before = to_plain(gemv.GEMV_CONFIG)
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(4)
+    x, w, r = rand(1, 96, dtype=dtype, gen=gen), rand(40, 96, dtype=dtype, gen=gen, scale=0.1), rand(1, 40, dtype=dtype, gen=gen)
+    gemv.linear_residual_triton(x, w, r, config=SPLIT, pdl="off")
+    assert to_plain(gemv.GEMV_CONFIG) == before
+    with pytest.raises(TypeError):
+        gemv.GEMV_CONFIG["residual"]["num_warps"] = 8            # read-only
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    good.write_text(json.dumps({"residual": {"num_warps": 8}}))
+    bad.write_text(json.dumps({"residual": {"num_wraps": 8}}))
+    show = "from pagedlab.kernels import gemv; print(gemv.GEMV_CONFIG['residual']['num_warps'], gemv.GEMV_CONFIG['qkv']['BLOCK_R'])"
+    r = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True,
+                       env=dict(os.environ, PAGEDLAB_GEMV_CONFIG=str(good)))
+    assert r.stdout.split() == ["8", str(gemv.GEMV_CONFIG["qkv"]["BLOCK_R"])], r.stderr
+    r = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True,
+                       env=dict(os.environ, PAGEDLAB_GEMV_CONFIG=str(bad)))
+    assert r.returncode != 0 and "num_wraps" in r.stderr
 
 
 @pytest.mark.skipif(not GPU, reason="programmatic dependent launch needs a Hopper GPU")
@@ -246,27 +280,21 @@ def test_pdl_modes_give_identical_results():
     slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
     seq_lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
 
-    def layer_steps():
+    def layer_steps(mode):
         k_cache, v_cache = k0.clone(), v0.clone()
         h = h0
         for _ in range(3):
             q = gemv.norm_qkv_rope_store_triton(h, norm_w, 1e-5, w_qkv, pos, cos_sin, k_cache, v_cache,
-                                                slot, hq)
-            o = decode_attention_triton(q, k_cache, v_cache, table, seq_lens, d ** -0.5, 4096)
-            h = gemv.linear_residual_triton(o.reshape(1, hq * d), w_o, h)
-            h = gemv.linear_residual_triton(gemv.norm_swiglu_triton(h, norm_w, 1e-5, w_gu), w_d, h)
-        logits, tok = gemv.norm_lm_head_triton(h, norm_w, 1e-5, w_lm, greedy=True)
+                                                slot, hq, pdl=mode)
+            o = decode_attention_triton(q, k_cache, v_cache, table, seq_lens, d ** -0.5, 4096, pdl=mode)
+            h = gemv.linear_residual_triton(o.reshape(1, hq * d), w_o, h, pdl=mode)
+            h = gemv.linear_residual_triton(gemv.norm_swiglu_triton(h, norm_w, 1e-5, w_gu, pdl=mode),
+                                            w_d, h, pdl=mode)
+        logits, tok = gemv.norm_lm_head_triton(h, norm_w, 1e-5, w_lm, greedy=True, pdl=mode)
         return h, logits, tok, k_cache
 
-    saved = pdl.PDL
-    try:
-        results = {}
-        for mode in pdl.MODES:
-            pdl.PDL = mode
-            results[mode] = layer_steps()
-        torch.cuda.synchronize()
-    finally:
-        pdl.PDL = saved
+    results = {mode: layer_steps(mode) for mode in pdl.MODES}
+    torch.cuda.synchronize()
     for mode, res in results.items():
         for a, b in zip(res, results["off"]):
             assert torch.equal(a, b), f"PDL mode {mode!r} changed the results"

@@ -241,23 +241,25 @@ def test_decode_split_kv_forced_splits(num_splits):
 
 
 @pytest.mark.parametrize("heads", HEADS)
-def test_decode_split_kv_merges_in_chunks(heads, monkeypatch):
+def test_decode_split_kv_merges_in_chunks(heads):
     """The last split merges the partials a chunk of splits at a time: with a small merge tile
     the merge takes several chunks, the last one partly past the splits in use."""
     from pagedlab.kernels import decode_attention as da
+    from pagedlab.kernels.launch import merge_config
     dtype = DTYPES[0]
     hq, hkv, d = heads
     per_split = (1 << (hq // hkv - 1).bit_length()) * max(16, 1 << (d - 1).bit_length())
-    monkeypatch.setattr(da, "MERGE_TILE", per_split * (4 if not GPU else 16))   # 4 / 16 splits a chunk
+    merge_tile = per_split * (4 if not GPU else 16)                      # 4 / 16 splits a chunk
+    config = merge_config(da.DECODE_CONFIG, {"split_kv": {"MERGE_TILE": merge_tile}})
     gen = torch.Generator().manual_seed(hq + d)
     seq_lens = [1200, 5, 300] if not GPU else [5000, 5, 1300]
     k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
     q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEV)
     splits = 10 if not GPU else 40
-    chunk = da._merge_chunk(hq // hkv, max(16, 1 << (d - 1).bit_length()), splits)
+    chunk = da._merge_chunk(hq // hkv, max(16, 1 << (d - 1).bit_length()), splits, merge_tile)
     assert 1 < chunk < splits and splits % chunk           # several chunks, the last one partial
     out = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant="split_kv",
-                                  num_splits=splits)
+                                  num_splits=splits, config=config)
     check(out, decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5), dtype)
 
 
@@ -296,3 +298,122 @@ def test_auto_plan_is_host_only():
     assert choose_decode_plan(1, 8, 32768, 132)[0] == "split_kv"
     assert choose_decode_plan(256, 8, 4096, 132) == ("gqa", 1)
     assert choose_decode_plan(1, 8, 16, 132) == ("gqa", 1)              # nothing to split
+
+
+# ---------------------------------------------------------------------------------- launch configs
+def _snapshot(config):
+    from pagedlab.kernels.launch import to_plain
+    return to_plain(config)
+
+
+@pytest.mark.parametrize("variant", ["blocked", "split_kv"])
+def test_decode_configs_are_explicit_and_defaults_never_change(variant):
+    """Two launch configs (other tile, warps and stages) give the same numbers, and a call with
+    another config leaves the module's defaults as they were (they are read-only)."""
+    from pagedlab.kernels import decode_attention as da
+    from pagedlab.kernels.launch import merge_config
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[1]
+    gen = torch.Generator().manual_seed(31)
+    seq_lens = [70, 3, 45] if not GPU else [3000, 3, 1100]
+    k_cache, v_cache, table, sl = make_paged(seq_lens, 16, hkv, d, dtype, gen)
+    q = torch.randn(len(seq_lens), hq, d, generator=gen).to(dtype).to(DEV)
+    before = _snapshot(da.DECODE_CONFIG)
+    other = merge_config(da.DECODE_CONFIG, {variant: {"BLOCK_N": 32, "num_warps": 2, "num_stages": 1}})
+    a = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant=variant, num_splits=3)
+    b = decode_attention_triton(q, k_cache, v_cache, table, sl, d ** -0.5, variant=variant, num_splits=3,
+                                config=other)
+    assert _snapshot(da.DECODE_CONFIG) == before
+    assert other[variant]["BLOCK_N"] == 32 and da.DECODE_CONFIG[variant]["BLOCK_N"] != 32
+    check(b, a.float(), dtype)
+    check(a, decode_attention_torch(q, k_cache, v_cache, table, sl, d ** -0.5), dtype)
+    with pytest.raises(TypeError):
+        da.DECODE_CONFIG[variant]["BLOCK_N"] = 32                # read-only
+
+
+def test_prefill_config_is_explicit():
+    from pagedlab.kernels import prefill_attention as pa
+    from pagedlab.kernels.launch import merge_config
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[1]
+    gen = torch.Generator().manual_seed(32)
+    k_cache, v_cache, table, sl = make_paged([29, 40], 16, hkv, d, dtype, gen)
+    cu = torch.tensor([0, 9, 29], dtype=torch.int32, device=DEV)       # 9 and 20 new tokens
+    q = torch.randn(29, hq, d, generator=gen).to(dtype).to(DEV)
+    before = _snapshot(pa.PREFILL_CONFIG)
+    other = merge_config(pa.PREFILL_CONFIG, {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    a = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20)
+    b = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20, config=other)
+    assert _snapshot(pa.PREFILL_CONFIG) == before
+    check(b, a.float(), dtype)
+    check(a, prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20), dtype)
+
+
+def test_select_kernels_binds_configs_and_checks_names():
+    from pagedlab.kernels import select_kernels
+    from pagedlab.kernels.decode_attention import DECODE_CONFIG
+    from pagedlab.kernels.gemv import GEMV_CONFIG
+    before = (_snapshot(DECODE_CONFIG), _snapshot(GEMV_CONFIG))
+    ops = select_kernels("triton", "split_kv", decode_config={"split_kv": {"BLOCK_N": 32}},
+                         gemv_config={"residual": {"num_warps": 2}}, pdl="off")
+    assert ops.decode_attention.keywords["variant"] == "split_kv"
+    assert ops.decode_attention.keywords["config"]["split_kv"]["BLOCK_N"] == 32
+    assert ops.decode_attention.keywords["config"]["gqa"] == DECODE_CONFIG["gqa"]
+    assert ops.linear_residual.keywords["config"]["num_warps"] == 2
+    assert ops.norm_swiglu.keywords["config"] == GEMV_CONFIG["swiglu"]
+    assert ops.norm_lm_head.keywords["pdl"] == "off"
+    assert (_snapshot(DECODE_CONFIG), _snapshot(GEMV_CONFIG)) == before
+    with pytest.raises(ValueError, match="BLOK_N"):
+        select_kernels("triton", decode_config={"split_kv": {"BLOK_N": 32}})
+    with pytest.raises(ValueError, match="PDL mode"):
+        select_kernels("triton", pdl="early")                   # retired (measured slower)
+    with pytest.raises(ValueError, match="decode variant"):
+        select_kernels("triton", "fast")
+    assert not hasattr(select_kernels("torch").decode_attention, "keywords")
+
+
+@pytest.fixture
+def fake_capability(monkeypatch):
+    """Pretend the CUDA device has a given compute capability (the device facts are cached)."""
+    from pagedlab.kernels import launch
+
+    def fake(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+        launch.clear_device_cache()
+    yield fake
+    monkeypatch.undo()
+    launch.clear_device_cache()
+
+
+@pytest.mark.parametrize("cap,mode", [((7, 5), "off"), ((8, 0), "off"), ((8, 6), "off"),
+                                      ((9, 0), "late"), ((10, 0), "late")])
+def test_pdl_only_on_hopper_and_newer(fake_capability, cap, mode, monkeypatch):
+    """T4 (sm75) and A100 (sm80) never get a PDL launch, whatever mode is asked for."""
+    from pagedlab.kernels import pdl
+    fake_capability(cap)
+    monkeypatch.setattr(pdl, "REQUESTED_DEFAULT", "late")
+    cuda = torch.device("cuda", 0)
+    has_gdc = pdl._triton_has_pdl()
+    want = mode if has_gdc else "off"
+    assert pdl.default_mode(cuda) == want
+    assert pdl.effective_mode(cuda, "late") == want
+    assert pdl.pdl_flag(cuda, "late") == (want == "late")
+    assert pdl.pdl_flag(cuda, "off") == 0
+    assert pdl.launch_options(pdl.pdl_flag(cuda)) == ({"launch_pdl": True} if want == "late" else {})
+    monkeypatch.setattr(pdl, "REQUESTED_DEFAULT", "off")          # PAGEDLAB_PDL=off
+    assert pdl.default_mode(cuda) == "off"
+    assert pdl.default_mode(torch.device("cpu")) == "off" and pdl.pdl_flag(torch.device("cpu"), "late") == 0
+
+
+@pytest.mark.parametrize("cap,stages", [((7, 5), 2), ((8, 0), 3), ((9, 0), 3)])
+def test_pipeline_depth_is_capped_before_ampere(fake_capability, cap, stages):
+    from pagedlab.kernels import launch
+    fake_capability(cap)
+    assert launch.num_stages(3, torch.device("cuda", 0)) == stages
+    assert launch.num_stages(1, torch.device("cuda", 0)) == 1
+    assert launch.num_stages(3, torch.device("cpu")) == 3
+
+
+def test_sm_count_on_cpu_is_the_named_constant():
+    from pagedlab.kernels import launch
+    assert launch.sm_count(torch.device("cpu")) == launch.CPU_SM_COUNT

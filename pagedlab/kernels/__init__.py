@@ -8,6 +8,8 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
   slot_mapping     : [T] int64                         physical slot (block * block_size + offset)
 """
 
+import functools
+import importlib
 from types import SimpleNamespace
 
 # The kernel functions the model calls, by file. RMSNorm, RoPE, the K/V store and SiLU-and-mul
@@ -20,14 +22,37 @@ KERNEL_FAMILIES = {
 }
 
 
-def select_kernels(backend: str = "torch", decode_variant: str = "auto") -> SimpleNamespace:
+def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
+                   decode_config=None, prefill_config=None, gemv_config=None,
+                   pdl: str | None = None) -> SimpleNamespace:
     """The kernel functions the model calls, from one backend: "torch" (the references, any
-    device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1)."""
-    import functools
-    import importlib
+    device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1).
+
+    For "triton", the launch settings are bound to the functions (functools.partial), so the
+    model calls them as it calls the references:
+      decode_variant  naive | blocked | gqa | split_kv | auto (decode_attention.py)
+      decode_config   changes to decode_attention.DECODE_CONFIG, e.g. {"split_kv": {"BLOCK_N": 64}}
+      prefill_config  changes to prefill_attention.PREFILL_CONFIG, e.g. {"num_stages": 2}
+      gemv_config     changes to gemv.GEMV_CONFIG, e.g. {"residual": {"num_warps": 8}}
+      pdl             "off" | "late" | None (the device's default; pdl.py)
+    Each config is merged into the module's defaults (launch.merge_config: unknown names are an
+    error) and the defaults themselves never change. The torch references take no launch
+    settings: they are checked, and not used. The result's `options` holds the merged settings."""
+    from .decode_attention import DECODE_CONFIG, VARIANTS
+    from .gemv import CONFIG_KEYS, GEMV_CONFIG
+    from .launch import merge_config
+    from .pdl import check_mode
+    from .prefill_attention import PREFILL_CONFIG
 
     if backend not in ("torch", "triton"):
         raise ValueError(f"kernel backend must be 'torch' or 'triton', got {backend!r}")
+    if decode_variant not in VARIANTS + ("auto",):
+        raise ValueError(f"decode variant must be one of {VARIANTS + ('auto',)}, got {decode_variant!r}")
+    options = dict(decode_variant=decode_variant,
+                   decode_config=merge_config(DECODE_CONFIG, decode_config, "decode_config"),
+                   prefill_config=merge_config(PREFILL_CONFIG, prefill_config, "prefill_config"),
+                   gemv_config=merge_config(GEMV_CONFIG, gemv_config, "gemv_config"),
+                   pdl=pdl if pdl is None else check_mode(pdl))
     fns = {}
     for fn, module in KERNEL_FAMILIES.items():
         mod = importlib.import_module(f"{__name__}.{module}")
@@ -36,5 +61,10 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto") -> Simp
             raise NotImplementedError(f"pagedlab.kernels.{module} has no {fn}_{backend}")
         fns[fn] = impl
     if backend == "triton":
-        fns["decode_attention"] = functools.partial(fns["decode_attention"], variant=decode_variant)
-    return SimpleNamespace(backend=backend, **fns)
+        fns["decode_attention"] = functools.partial(
+            fns["decode_attention"], variant=decode_variant, config=options["decode_config"], pdl=pdl)
+        fns["prefill_attention"] = functools.partial(fns["prefill_attention"],
+                                                     config=options["prefill_config"])
+        for fn, key in CONFIG_KEYS.items():
+            fns[fn] = functools.partial(fns[fn], config=options["gemv_config"][key], pdl=pdl)
+    return SimpleNamespace(backend=backend, options=options, **fns)

@@ -32,7 +32,8 @@ never on device values, and the split_kv scratch is cached per shape, so decode 
 a CUDA graph. Sequences with seq_len 0 (graph padding) give zeros.
 
 decode_attention_torch is the reference; decode_attention_triton has the same signature plus
-`variant`.
+`variant`, and the launch parameters as explicit keyword arguments: `config` (DECODE_CONFIG, the
+H200-tuned defaults, unless given) and `pdl` (kernels/pdl.py).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .online_softmax import online_softmax_update
+from .launch import INT32_LIMIT, freeze, num_stages, sm_count
+from .online_softmax import LOG2E, online_softmax_update
 from .paged import gather_pages
-from .pdl import launch_options, main_loop_done, pdl_mode, start as pdl_start
+from .pdl import launch_options, main_loop_done, pdl_flag, start as pdl_start
 
 
 def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,18 +66,19 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(b, hq, d).to(q.dtype)
 
 
-LOG2E = 1.4426950408889634
 VARIANTS = ("naive", "blocked", "gqa", "split_kv")
 
 # Launch parameters per variant (tuned on the H200, bf16, head_dim 64; see docs/kernels.md).
 # Sweep of (BLOCK_N, num_warps, num_stages) on 2026-11-29: (128, 4, 2) was fastest at batch
-# 128 and 256 (e.g. 540 us vs 592 us for (64, 4, 2) at batch 256 x 4096).
-DECODE_CONFIG = {
+# 128 and 256 (e.g. 540 us vs 592 us for (64, 4, 2) at batch 256 x 4096). split_kv's MERGE_TILE:
+# fp32 values per step of its merge (16 KB), see _merge_chunk. Read-only: pass another config
+# (launch.merge_config(DECODE_CONFIG, {...})) instead of changing it.
+DECODE_CONFIG = freeze({
     "naive": {"num_warps": 1, "num_stages": 1},
     "blocked": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
     "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-}
+    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096},
+})
 # auto: split the context when gqa would give each SM fewer than SPLIT_BELOW_PROGRAMS_PER_SM
 # programs; then aim for SPLIT_PROGRAMS_PER_SM programs per SM, no split shorter than
 # MIN_SPLIT_LEN keys. (Measured: at batch 1 x 32k, 8 KV heads, 33 splits took 37 us in a CUDA
@@ -186,7 +189,7 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
-    pdl_start(PDL)                  # programmatic dependent launch (pdl.py); no weights to prefetch
+    pdl_start(PDL)                  # programmatic dependent launch (pdl.py)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -286,28 +289,16 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
-_SM_COUNT: dict = {}
 _SCRATCH: dict = {}
+# split_len of the unsplit (gqa) kernel: longer than any context, so its one split is all of it.
+WHOLE_CONTEXT = 1 << 30
 
 
-def _sm_count(device: torch.device) -> int:
-    key = (device.type, device.index)
-    if key not in _SM_COUNT:
-        if device.type == "cuda":
-            _SM_COUNT[key] = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            _SM_COUNT[key] = 4
-    return _SM_COUNT[key]
-
-
-MERGE_TILE = 4096     # fp32 values per step of split_kv's merge (16 KB)
-
-
-def _merge_chunk(g: int, block_d: int, splits: int) -> int:
+def _merge_chunk(g: int, block_d: int, splits: int, merge_tile: int) -> int:
     """Splits merged per step of split_kv's merge: a [heads, chunk, D] fp32 tile of at most
-    MERGE_TILE values, and no more than there are splits."""
+    merge_tile values, and no more than there are splits."""
     return max(1, min(triton.next_power_of_2(splits),
-                      MERGE_TILE // (triton.next_power_of_2(g) * block_d)))
+                      merge_tile // (triton.next_power_of_2(g) * block_d)))
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
@@ -347,12 +338,15 @@ def _scratch(device, batch, hq, hkv, splits, block_d):
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             max_seq_len: int | None = None, variant: str = "auto",
-                            num_splits: int | None = None) -> torch.Tensor:
+                            num_splits: int | None = None, *, config=DECODE_CONFIG,
+                            pdl: str | None = None) -> torch.Tensor:
     """Same contract as decode_attention_torch, plus `variant` (naive | blocked | gqa | split_kv |
     auto) and, for split_kv, an optional fixed `num_splits`. max_seq_len (an upper bound on
     seq_lens, host int) only sizes the split_kv grid; without it the bound is
-    block_table.shape[1] * block_size. No device->host sync; the split_kv scratch buffers are
-    allocated once per shape and reused (CUDA-graph friendly)."""
+    block_table.shape[1] * block_size. `config`: launch parameters per variant (the layout of
+    DECODE_CONFIG); `pdl`: the PDL mode of the gqa/split_kv launch (pdl.py; None = the device's
+    default). No device->host sync; the split_kv scratch buffers are allocated once per shape and
+    reused (CUDA-graph friendly)."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -365,48 +359,49 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_d = max(16, triton.next_power_of_2(d))
     scale2 = scale * LOG2E
     if variant == "auto":
-        variant, plan_splits = choose_decode_plan(b, hkv, max_ctx, _sm_count(q.device),
-                                                  DECODE_CONFIG["split_kv"]["BLOCK_N"])
+        variant, plan_splits = choose_decode_plan(b, hkv, max_ctx, sm_count(q.device),
+                                                  config["split_kv"]["BLOCK_N"])
         if num_splits is None:
             num_splits = plan_splits
     if variant in ("gqa", "split_kv"):
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and block_table.is_contiguous()
-        cfg = DECODE_CONFIG[variant]
+        cfg = config[variant]
         block_n = cfg["BLOCK_N"]
         if variant == "gqa":
             splits = 1
         else:
-            splits = num_splits or choose_num_splits(b, hkv, max_ctx, _sm_count(q.device), block_n)
-        pdl = pdl_mode(q.device)
-        pdl = 2 if pdl == 3 else pdl
+            splits = num_splits or choose_num_splits(b, hkv, max_ctx, sm_count(q.device), block_n)
+        flag = pdl_flag(q.device, pdl)
         if splits > 1:
             ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
         else:
             ml_buf = acc_buf = cnt = out                    # unused
         _decode_gqa_kernel[(b, hkv, splits)](
             q, k_cache, v_cache, out, ml_buf, acc_buf, cnt, block_table, seq_lens, scale2,
-            block_table.shape[1], 1 << 30,
+            block_table.shape[1], WHOLE_CONTEXT,
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
-            GM=triton.next_power_of_2(g), MERGE_CH=_merge_chunk(g, block_d, splits),
+            GM=triton.next_power_of_2(g),
+            MERGE_CH=_merge_chunk(g, block_d, splits, cfg["MERGE_TILE"]) if splits > 1 else 1,
             BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-            IDX64=k_cache.numel() >= 2 ** 31, PDL=pdl, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"], **launch_options(pdl))
+            IDX64=k_cache.numel() >= INT32_LIMIT, PDL=flag, num_warps=cfg["num_warps"],
+            num_stages=num_stages(cfg["num_stages"], q.device), **launch_options(flag))
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     common = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
     if variant == "naive":
-        cfg = DECODE_CONFIG["naive"]
+        cfg = config["naive"]
         _decode_naive_kernel[(b, hq)](q, k_cache, v_cache, out, block_table, seq_lens, scale2,
                                       *common, G=g, BS=bs, D=d, BLOCK_D=block_d,
-                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                                      num_warps=cfg["num_warps"],
+                                      num_stages=num_stages(cfg["num_stages"], q.device))
     elif variant == "blocked":
-        cfg = DECODE_CONFIG["blocked"]
+        cfg = config["blocked"]
         _decode_blocked_kernel[(b, hq)](q, k_cache, v_cache, out, block_table, seq_lens, scale2,
                                         *common, G=g, BS=bs, D=d, BLOCK_D=block_d,
                                         BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
-                                        num_stages=cfg["num_stages"])
+                                        num_stages=num_stages(cfg["num_stages"], q.device))
     else:
         raise ValueError(f"unknown decode attention variant {variant!r}; pick one of "
                          f"{VARIANTS + ('auto',)}")

@@ -29,7 +29,9 @@ matrices (QKV, O); the programs of a row block add their partial sums up inside 
 Every function has a `*_torch` version (the plain composition of the reference kernels: the CPU
 path and the test oracle) and a `*_triton` launcher that runs the fused kernel for up to FUSE_UP_TO
 tokens and, above that (prefill, decode batches, where cuBLAS's tensor-core matmuls win), the
-composition of the unfused Triton kernels with cuBLAS.
+composition of the unfused Triton kernels with cuBLAS. The launchers take their launch parameters
+(`config`, one entry of GEMV_CONFIG unless given) and the PDL mode (`pdl`, see pdl.py) as explicit
+keyword arguments; select_kernels binds them.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ import triton.language as tl
 
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .kv_store import kv_store_torch, kv_store_triton
-from .pdl import launch_options, main_loop_done, pdl_mode, prefetch_l2, start as pdl_start
+from .launch import INT32_LIMIT, freeze, merge_config, num_stages
+from .pdl import launch_options, main_loop_done, pdl_flag, start as pdl_start
 from .rmsnorm import rms_norm_torch, rms_norm_triton
 from .rope import rope_torch, rope_triton
 
@@ -55,16 +58,32 @@ FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured 
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
 # columns per loop step, warps, software-pipeline stages.
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
-# the environment variable PAGEDLAB_GEMV_CONFIG overrides these at import.
-GEMV_CONFIG = {       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
+# the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
+# Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
+H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
     "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1),
     "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2),
     "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3),
     "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1),
-}
-if os.environ.get("PAGEDLAB_GEMV_CONFIG"):
-    with open(os.environ["PAGEDLAB_GEMV_CONFIG"]) as f:
-        GEMV_CONFIG.update(json.load(f))
+})
+CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
+
+
+def _config_from_env():
+    path = os.environ.get(CONFIG_ENV_VAR)
+    if not path:
+        return H200_GEMV_CONFIG
+    with open(path) as f:
+        return merge_config(H200_GEMV_CONFIG, json.load(f), f"{CONFIG_ENV_VAR} ({path})")
+
+
+GEMV_CONFIG = _config_from_env()
+# Which entry of GEMV_CONFIG each launcher (by the name the model calls it) uses.
+CONFIG_KEYS = {"norm_qkv_rope_store": "qkv", "linear_residual": "residual",
+               "norm_swiglu": "swiglu", "norm_lm_head": "lm_head"}
+# fp32 values of the [tokens, rows, columns] product one program multiplies per loop step (its
+# registers); BLOCK_K is lowered to keep within it when there are many tokens.
+MAX_PRODUCT_VALUES = 8192
 
 
 # --------------------------------------------------------------------------------------------
@@ -132,12 +151,6 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    if PDL == 3 and BLOCK_K >= 64:                                  # the first tile into L2
-        lines = k_lo + tl.arange(0, BLOCK_K // 64) * 64             # one address per 128 bytes
-        lmask = rmask[:, None] & (lines < k_hi)[None, :]
-        prefetch_l2(tl.where(lmask, w_ptr + rows_a[:, None] * K + lines[None, :], w_ptr))
-        if PAIRED:
-            prefetch_l2(tl.where(lmask, w_ptr + rows_b[:, None] * K + lines[None, :], w_ptr))
     pdl_start(PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
@@ -319,14 +332,14 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
 _WORKSPACE: dict = {}
 
 
-def _plan(x, k, row_blocks, cfg):
+def _plan(x, k, row_blocks, cfg, pdl):
     """(grid, kernel keyword arguments, workspace, counters, k_split) for one launch. The
     split-K workspace and the counters (zero between launches) are allocated once per shape and
     reused, so the launch can live in a CUDA graph."""
     block_m = triton.next_power_of_2(x.shape[0])
     block_r = cfg["BLOCK_R"]
     block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
-    block_k = max(16, min(block_k, 8192 // (block_m * block_r)))    # the M x R x K product fits
+    block_k = max(16, min(block_k, MAX_PRODUCT_VALUES // (block_m * block_r)))
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
@@ -339,9 +352,10 @@ def _plan(x, k, row_blocks, cfg):
                             dtype=torch.float32, device=x.device),
                 torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
         ws, cnt = _WORKSPACE[key]
-    pdl = pdl_mode(x.device)
-    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=pdl,
-                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl))
+    flag = pdl_flag(x.device, pdl)
+    kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
+                  num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], x.device),
+                  **launch_options(flag))
     return (row_blocks, splits), kwargs, ws, cnt, k_split
 
 
@@ -359,8 +373,11 @@ def _use_fused(x, fused) -> bool:
 
 
 def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
-                               slot_mapping, num_heads, config=None, fused=None):
-    """Same contract as norm_qkv_rope_store_torch: one launch for up to MAX_ROWS tokens."""
+                               slot_mapping, num_heads, config=GEMV_CONFIG["qkv"], fused=None,
+                               pdl=None):
+    """Same contract as norm_qkv_rope_store_torch: one launch for up to MAX_ROWS tokens.
+    config: launch parameters (an entry of GEMV_CONFIG); fused: None = the fused kernel up to
+    FUSE_UP_TO tokens, True/False forces a path; pdl: the PDL mode (pdl.py, None = default)."""
     if not _use_fused(x, fused):
         return _qkv_composed(rms_norm_triton, rope_triton, kv_store_triton, x, norm_w, eps, w,
                              positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
@@ -371,30 +388,35 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     x = _rows2d(x)
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(
-        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config or GEMV_CONFIG["qkv"])
+        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl)
     _qkv_rope_store_kernel[grid](x, norm_w, w, q, k_cache, v_cache, positions, cos_sin, slot_mapping,
                                  ws, cnt, t, k, k_split, eps, x.stride(0), HQ=num_heads, HKV=hkv,
                                  D=d, **kw)
     return q
 
 
-def linear_residual_triton(x, w, residual, config=None, fused=None):
-    """Same contract as linear_residual_torch."""
+def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None):
+    """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
         return torch.addmm(residual, x, w.t())
-    return _linear(x, None, 0.0, w, residual, residual.dtype, config or GEMV_CONFIG["residual"])
+    return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl)
 
 
-def norm_lm_head_triton(x, norm_w, eps, w, config=None, fused=None, greedy=False):
+def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=None, greedy=False,
+                        pdl=None):
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
     taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
     if not _use_fused(x, fused):
         logits = F.linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
-    return _linear(x, norm_w, eps, w, None, torch.float32, config or GEMV_CONFIG["lm_head"], greedy)
+    return _linear(x, norm_w, eps, w, None, torch.float32, config, pdl, greedy)
 
 
-def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, greedy=False):
+# Warps of the argmax merge launch (one program per token over the row blocks' partials).
+ARGMAX_MERGE_WARPS = 4
+
+
+def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
     t, k = x.shape
     n = w.shape[0]
     assert w.is_contiguous()
@@ -402,23 +424,24 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, greedy=False):
     x = _rows2d(x)
     out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     r = _rows2d(residual) if residual is not None else out
-    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg)
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg, pdl)
     best = torch.empty((2, t, grid[0]), dtype=torch.float32, device=x.device) if greedy else out
     _linear_kernel[grid](
         x, norm_w if norm_w is not None else w, w, r, out, best, ws, cnt, t, n, k, k_split, eps,
         x.stride(0), r.stride(0), out.stride(0), HAS_NORM=norm_w is not None,
-        HAS_RESIDUAL=residual is not None, ARGMAX=greedy, IDX64=w.numel() >= 2 ** 31, **kw)
+        HAS_RESIDUAL=residual is not None, ARGMAX=greedy, IDX64=w.numel() >= INT32_LIMIT, **kw)
     if not greedy:
         return out
     tokens = torch.empty(t, dtype=torch.int64, device=x.device)
-    pdl = kw["PDL"] if kw["PDL"] != 3 else 2
+    flag = kw["PDL"]
     _argmax_merge_kernel[(t,)](best, tokens, t, grid[0], BLOCK_P=triton.next_power_of_2(grid[0]),
-                               PDL=pdl, num_warps=4, **launch_options(pdl))
+                               PDL=flag, num_warps=ARGMAX_MERGE_WARPS, **launch_options(flag))
     return out, tokens
 
 
-def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=None, fused=None):
-    """Same contract as norm_swiglu_torch."""
+def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], fused=None,
+                       pdl=None):
+    """Same contract as norm_swiglu_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
         return silu_and_mul_triton(F.linear(rms_norm_triton(x, norm_w, eps), w_gate_up))
     t, k = x.shape
@@ -426,8 +449,7 @@ def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=None, fused=None):
     assert w_gate_up.is_contiguous()
     x = _rows2d(x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r),
-                                       config or GEMV_CONFIG["swiglu"])
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl)
     _swiglu_kernel[grid](x, norm_w, w_gate_up, out, ws, cnt, t, inter, k, k_split, eps, x.stride(0),
                          out.stride(0), **kw)
     return out

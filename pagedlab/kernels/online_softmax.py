@@ -8,10 +8,13 @@ a new tile of scores s [rows, tile] (already in log2 units, masked with -inf) an
     m' = max(m, max(s));  alpha = 2^(m - m');  p = 2^(s - m')
     l' = l * alpha + sum(p);  acc' = acc * alpha + p @ v
 
-and the output is acc / l at the end (flash attention's recurrence).
+and the output is acc / l at the end (flash attention's recurrence). Scores are in log2 units
+because the launchers fold LOG2E into the softmax scale: exp(x) = 2^(x * log2(e)).
 """
 import triton
 import triton.language as tl
+
+LOG2E = 1.4426950408889634          # log2(e)
 
 
 @triton.jit

@@ -19,7 +19,8 @@ output of 0, never NaN. Programs with the most work (the last query tiles) are l
 GQA: query head h reads KV head h // (Hq // Hkv); the other query heads of the group re-read the
 same K/V tiles, which mostly hit in L2 (prefill is compute bound, so that is fine).
 
-prefill_attention_torch is the reference; prefill_attention_triton has the same signature.
+prefill_attention_torch is the reference; prefill_attention_triton has the same signature, plus
+its launch parameters as an explicit keyword argument `config` (PREFILL_CONFIG unless given).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .online_softmax import online_softmax_update
+from .launch import INT32_LIMIT, freeze, num_stages
+from .online_softmax import LOG2E, online_softmax_update
 from .paged import gather_pages
 
 
@@ -62,10 +64,14 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out[seq_of_token, idx_in_seq].to(q.dtype)
 
 
-LOG2E = 1.4426950408889634
-
 # Tile sizes and launch parameters (tuned on the H200 for head_dim 64; see docs/kernels.md).
-PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+# Read-only: pass another config (launch.merge_config(PREFILL_CONFIG, {...})) to change them.
+PREFILL_CONFIG = freeze({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3})
+# Under the interpreter (CPU) every padded row and column is computed in numpy, one program after
+# another: tiles no larger than the queries need (and at least MIN_BLOCK, tl.dot's minimum), and
+# key tiles of at most CPU_BLOCK_N.
+MIN_BLOCK = 16
+CPU_BLOCK_N = 32
 
 
 @triton.jit
@@ -163,9 +169,10 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              seq_lens: torch.Tensor, scale: float,
-                             max_q_len: int | None = None) -> torch.Tensor:
-    """Same contract as prefill_attention_torch. No device->host sync: without max_q_len the grid
-    is bounded by min(T, block_table.shape[1] * block_size) (extra programs exit at once)."""
+                             max_q_len: int | None = None, *, config=PREFILL_CONFIG) -> torch.Tensor:
+    """Same contract as prefill_attention_torch; `config` holds the launch parameters (the keys
+    of PREFILL_CONFIG). No device->host sync: without max_q_len the grid is bounded by
+    min(T, block_table.shape[1] * block_size) (extra programs exit at once)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     b = seq_lens.shape[0]
@@ -177,13 +184,13 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         max_q_len = min(t, block_table.shape[1] * bs)
     if t == 0 or b == 0 or max_q_len == 0:
         return out
-    cfg = PREFILL_CONFIG
-    block_m = cfg["BLOCK_M"]
-    block_n = cfg["BLOCK_N"]
+    block_m = config["BLOCK_M"]
+    block_n = config["BLOCK_N"]
     if q.device.type == "cpu":                       # interpreter: small tiles, less padding
-        block_m = min(block_m, max(16, triton.next_power_of_2(max_q_len)))
-        block_n = min(block_n, 32)
+        block_m = min(block_m, max(MIN_BLOCK, triton.next_power_of_2(max_q_len)))
+        block_n = min(block_n, CPU_BLOCK_N)
     num_m_tiles = triton.cdiv(max_q_len, block_m)
+    block_d = max(MIN_BLOCK, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32
     _prefill_attention_kernel[(num_m_tiles, b, hq)](
         q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens, scale * LOG2E,
@@ -191,9 +198,8 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), num_m_tiles,
-        G=hq // hkv, BS=bs, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee,
-        EVEN_D=d == max(16, triton.next_power_of_2(d)),
-        IDX64=max(k_cache.numel(), v_cache.numel()) >= 2 ** 31,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        G=hq // hkv, BS=bs, D=d, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, EVEN_D=d == block_d,
+        IDX64=max(k_cache.numel(), v_cache.numel()) >= INT32_LIMIT,
+        num_warps=config["num_warps"], num_stages=num_stages(config["num_stages"], q.device))
     return out

@@ -1,5 +1,9 @@
-"""`python -m pagedlab bench boundaries`: what a kernel boundary costs at batch 1, and whether one
-launch whose programs wait for each other avoids it.
+"""What a kernel boundary costs at batch 1, and whether one launch whose programs wait for each
+other avoids it: `python scripts/boundaries_experiment.py [--out DIR]` (a CUDA GPU; pagedlab
+installed or on PYTHONPATH).
+
+An experiment, not part of pagedlab: it measured the one-launch "dataflow" design SLOWER than
+separate launches (docs/engine.md, "What bounds the batch-1 step"), and is kept to reproduce that.
 
 A decode step at batch 1 is a chain of ~85 kernels, each a short pass over a weight matrix, each
 depending on the one before. Here the chain is N phases of
@@ -9,7 +13,7 @@ depending on the one before. Here the chain is N phases of
 run three ways, each replayed from a CUDA graph:
 
   separate    N launches of pagedlab's fused kernel (gemv.linear_residual_triton), with the
-              current PDL mode (kernels/pdl.py) and with PDL off
+              device's default PDL mode (kernels/pdl.py) and with PDL off
   dataflow    ONE launch of N x P programs (P row blocks per phase), in phase order; a program of
               phase k first waits on an atomic counter until all P programs of phase k-1 have
               arrived, then computes its rows. No launch boundary at all -- but its waiting
@@ -25,15 +29,17 @@ programs one after another, in index order) a wait never waits, so the kernel is
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedlab.bench.common import (copy_bandwidth_tbs, device_line, graph_time_us, metadata, out_dir,
+                                   require_cuda, write_json)
+from pagedlab.kernels import gemv, pdl
+
 MAX_POLLS = 1 << 16          # polls (~1 us each); a legitimate wait is one phase, ~10 us
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -87,48 +93,42 @@ def dataflow_chain(x0, w, block_r=8, block_k=512, preload=False, state=None):
     p = triton.cdiv(d, block_r)
     _dataflow_chain_kernel[(n * p,)](x, w, done, err, d, P=p, N=n, BLOCK_R=block_r,
                                      BLOCK_K=min(block_k, triton.next_power_of_2(d)),
-                                     PRELOAD=preload, MAX_WAIT=MAX_POLLS, num_warps=4)
+                                     PRELOAD=preload, MAX_WAIT=MAX_POLLS, num_warps=NUM_WARPS)
     return x, done, err
 
 
-def separate_chain(x0, w):
+def separate_chain(x0, w, pdl_mode=None):
     """The same chain as N launches of the engine's fused linear+residual kernel."""
-    from .kernels import gemv
     x = x0[None, :]
     for k in range(w.shape[0]):
-        x = gemv.linear_residual_triton(x, w[k], x, fused=True)
+        x = gemv.linear_residual_triton(x, w[k], x, fused=True, pdl=pdl_mode)
     return x[0]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pagedlab bench boundaries", description=__doc__,
+    p = argparse.ArgumentParser(prog="python scripts/boundaries_experiment.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dim", type=int, default=2048, help="D: the matrices are D x D (2048: O-size)")
     p.add_argument("--phases", type=int, default=32)
     p.add_argument("--out", default="figures")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench boundaries needs a CUDA GPU")
-    from .bench_engine import copy_bandwidth
-    from .bench_gemv import graph_time_us
-    from .kernels import pdl
+    require_cuda("the boundaries experiment")
     dev = torch.device("cuda")
     d, n = args.dim, args.phases
     g = torch.Generator(device=dev).manual_seed(0)
     w = (torch.randn(n, d, d, device=dev, generator=g) * d ** -0.5).to(torch.bfloat16)
     x0 = torch.randn(d, device=dev, generator=g).to(torch.bfloat16)
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth_tbs(dev) * 1e12                     # bytes/s
     ref = x0.double()
     for k in range(n):
         ref = ref + w[k].double() @ ref
     rows, outs = [], {}
-    default = pdl.PDL
-    for name, mode in (("separate, PDL off", "off"), (f"separate, PDL {default}", default)):
-        pdl.PDL = mode
-        us = graph_time_us([lambda: separate_chain(x0, w)])
-        outs[name] = separate_chain(x0, w)
+    default = pdl.default_mode(dev)
+    separate = {"separate, PDL off": "off", f"separate, PDL {default}": default}   # one if default is off
+    for name, mode in separate.items():
+        us = graph_time_us([lambda: separate_chain(x0, w, mode)])
+        outs[name] = separate_chain(x0, w, mode)
         rows.append((name, us))
-    pdl.PDL = default
     for name, preload in (("dataflow (one launch)", False), ("dataflow + preload", True)):
         state = dataflow_chain(x0, w, preload=preload)
         state[2].zero_()
@@ -140,16 +140,14 @@ def main(argv=None):
         outs[name] = dataflow_chain(x0, w, preload=preload, state=state)[0][n]
         rows.append((name, us))
     weight_bytes = w.numel() * w.element_size()
-    res = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-               triton=triton.__version__, dim=d, phases=n, copy_bandwidth_TBps=bw / 1e12,
+    res = dict(metadata("python scripts/boundaries_experiment.py", argv), dim=d, phases=n,
+               copy_bandwidth_TBps=bw / 1e12,
                rows=[dict(variant=r, us_per_phase=us / n, weight_TBps=weight_bytes / (us * 1e-6) / 1e12)
                      for r, us in rows],
                rel_err_vs_fp64={k: float((v.double() - ref).norm() / ref.norm()) for k, v in outs.items()})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "boundaries_bench.json").write_text(json.dumps(res, indent=1))
+    write_json(out_dir(args.out) / "boundaries_bench.json", res)
     floor = weight_bytes / n / bw * 1e6
-    print(f"{res['device']}, torch {res['torch']}, triton {res['triton']}, {res['date']}: {n} phases of "
+    print(f"{device_line(res)}: {n} phases of "
           f"{d}x{d} bf16 ({weight_bytes / n / 1e6:.1f} MB each); copy bandwidth {bw / 1e12:.2f} TB/s "
           f"-> {floor:.2f} us per phase at best")
     print("| variant | us per phase | weight TB/s | rel. err vs fp64 |\n|---|---|---|---|")

@@ -10,54 +10,32 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
     python -m pagedlab bench gemv                 # table + JSON (+ figures/gemv_bench.png)
     python -m pagedlab bench gemv --tune          # also sweep launch configs; writes the best as
                                                   # JSON, usable via PAGEDLAB_GEMV_CONFIG=<file>
+
+Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
+never by changing gemv.GEMV_CONFIG.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-from pathlib import Path
 
 import torch
 
+from pagedlab.bench.common import (copy_bandwidth_tbs, device_line, graph_time_us, metadata,
+                                   out_dir, require_cuda, write_json)
+from pagedlab.kernels import gemv
+from pagedlab.kernels.launch import merge_config, to_plain
+from pagedlab.kernels.rope import rope_cos_sin
+
 HIDDEN, INTER, HQ, HKV, D, VOCAB = 2048, 8192, 32, 8, 64, 128256
 ROWS = (1, 2, 4, 8)
-MIN_BYTES = 256 << 20
-
-
-def graph_time_us(calls, reps=30) -> float:
-    """Median microseconds per call of `calls` (a list of closures) captured back to back in one
-    CUDA graph and replayed `reps` times."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls[:2]:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del g
-    return sorted(times)[len(times) // 2]
+MIN_BYTES = 256 << 20       # weight copies per op: at least this many bytes (several L2s)
 
 
 def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
     """{op name: dict(bytes=weight bytes, key=config key, ws=weight copies, call=closure maker)},
-    with enough weight copies per op that the calls stream their weights from DRAM."""
-    from .kernels import gemv
-    from .kernels.rope import rope_cos_sin
+    with enough weight copies per op that the calls stream their weights from DRAM.
+    call(w, fused, cfg) -> a closure running the op on weights w with launch config cfg (an entry
+    of GEMV_CONFIG's layout)."""
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -83,7 +61,7 @@ def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
         copies = max(1, -(-MIN_BYTES // nbytes))
         ws = [randn(n, k, scale=k ** -0.5) for _ in range(copies)]
 
-        def call(w, fused, cfg=None, key=key):
+        def call(w, fused, cfg, key=key):
             if key == "qkv":
                 return lambda: gemv.norm_qkv_rope_store_triton(x_h, g, 1e-5, w, pos, cos_sin, k_cache,
                                                                v_cache, slots, HQ, config=cfg, fused=fused)
@@ -126,36 +104,31 @@ def tune(ops) -> dict:
 
 
 def main(argv=None):
-    from .bench_engine import copy_bandwidth
-    from .kernels import gemv
     ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="figures")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs at M=1 first")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench gemv needs a CUDA GPU")
+    require_cuda("bench gemv")
     dev = torch.device("cuda")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    import triton
-    copy_bw = copy_bandwidth(dev) / 1e12
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=datetime.date.today().isoformat(),
-                copy_tb_s=round(copy_bw, 3))
-    print(f"{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  copy {copy_bw:.2f} TB/s")
+    out = out_dir(args.out)
+    copy_bw = copy_bandwidth_tbs(dev)
+    meta = dict(metadata("python -m pagedlab.bench.gemv", argv), copy_tb_s=round(copy_bw, 3))
+    print(f"{device_line(meta)}  copy {copy_bw:.2f} TB/s")
     tuned = {}
+    config = gemv.GEMV_CONFIG
     if args.tune:
         tuned = tune(make_ops(1, dev))
         best_cfg = {k: v[1] for k, v in tuned.items()}
-        (out / "gemv_best_config.json").write_text(json.dumps(best_cfg, indent=1))
-        gemv.GEMV_CONFIG.update(best_cfg)
+        write_json(out / "gemv_best_config.json", best_cfg)
+        config = merge_config(gemv.GEMV_CONFIG, best_cfg)
     rows = []
     print(f"{'op':28s} {'M':>3s} {'fused us':>9s} {'TB/s':>6s} {'unfused us':>10s} {'TB/s':>6s} {'speedup':>7s}")
     for m in ROWS:
         for name, op in make_ops(m, dev).items():
-            f_us = graph_time_us([op["call"](w, True) for w in op["ws"]])
-            u_us = graph_time_us([op["call"](w, False) for w in op["ws"]])
+            cfg = config[op["key"]]
+            f_us = graph_time_us([op["call"](w, True, cfg) for w in op["ws"]])
+            u_us = graph_time_us([op["call"](w, False, cfg) for w in op["ws"]])
             r = dict(op=name, m=m, fused_us=f_us, unfused_us=u_us, bytes=op["bytes"],
                      fused_tb_s=op["bytes"] / f_us / 1e6, unfused_tb_s=op["bytes"] / u_us / 1e6)
             rows.append(r)
@@ -166,9 +139,9 @@ def main(argv=None):
              for m in ROWS}
     for m, (f, u) in layer.items():
         print(f"one layer's linear work at M={m}: fused {f:.1f} us, unfused {u:.1f} us")
-    result = dict(meta=meta, config=gemv.GEMV_CONFIG, rows=rows,
+    result = dict(meta=meta, config=to_plain(config), rows=rows,
                   tuned={k: dict(us=v[0], config=v[1]) for k, v in tuned.items()})
-    (out / "gemv_bench.json").write_text(json.dumps(result, indent=1))
+    write_json(out / "gemv_bench.json", result)
     plot(rows, copy_bw, out / "gemv_bench.png")
 
 

@@ -1,4 +1,4 @@
-"""Benchmark the attention kernels: `python -m pagedlab bench kernels` (or python -m pagedlab.bench_kernels).
+"""Benchmark the attention kernels: `python -m pagedlab bench kernels` (or python -m pagedlab.bench.kernels).
 
 Decode: for each paged decode variant, the achieved K/V bandwidth = bytes of K and V read
 (batch * context * Hkv * D * 2 tensors * element size) / median time from triton.testing.do_bench,
@@ -8,18 +8,24 @@ cache of the same shape. Prefill: TFLOP/s of the causal paged prefill kernel bes
 (causal, contiguous). Writes a JSON of every measurement, a markdown table and plots to --out.
 
 Shapes are Llama-3.2-1B's attention: 32 query heads, 8 KV heads, head_dim 64, bf16, page 16,
-every sequence's pages scattered (shuffled block table).
+every sequence's pages scattered (shuffled block table). Launch-config sweeps (--tune) pass each
+config explicitly to the launchers (`config=`); the kernels' defaults are never changed.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 import torch
+
+from pagedlab.bench.common import (copy_bandwidth_tbs, do_bench_us, metadata, out_dir, require_cuda,
+                                   write_json)
+from pagedlab.kernels import decode_attention as da
+from pagedlab.kernels import prefill_attention as pa
+from pagedlab.kernels.launch import merge_config, sm_count, to_plain
+from pagedlab.kernels.paged import gather_pages
 
 HQ, HKV, D, PAGE = 32, 8, 64, 16
 DTYPE = torch.bfloat16
@@ -34,26 +40,10 @@ ISSUE_SDPA_US = {(1, 8192): 16.0, (1, 32768): 32.0, (4, 8192): 31.2, (16, 2048):
 SWEEP_BATCH = [1, 4, 16, 64, 256]
 SWEEP_CTX = [128, 512, 2048, 8192, 32768]
 MAX_TOKENS = 1 << 20                       # batch * context cap for the sweep (memory, time)
+NAIVE_MAX_TOKENS = 1 << 16                 # ... and for the naive variant (one key at a time: slow)
+TUNE_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]   # split counts --tune times split_kv with
 PREFILL_LENS = [512, 1024, 2048, 4096, 8192]
 PREFILL_TOKENS = 16384
-
-
-def _bench(fn, graph=False, rep=100):
-    import triton.testing
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median") * 1e3   # us
-
-
-def copy_bandwidth(device) -> float:
-    """TB/s of a 1 GiB device copy, counting read + write bytes."""
-    n = 1 << 29
-    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    b = torch.empty_like(a)
-    us = _bench(lambda: b.copy_(a))
-    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e12
 
 
 def make_decode_case(batch, ctx, device, gen):
@@ -74,32 +64,27 @@ def kv_bytes(batch, ctx):
 
 def bench_decode_shape(batch, ctx, device, gen, variants, graph=False, sdpa=True, configs=None,
                        splits=None, rep=100):
-    """Returns {name: microseconds} for one shape."""
-    from pagedlab.kernels import decode_attention as da
+    """Returns {name: microseconds} for one shape. configs: {name: changes to split_kv's entry of
+    DECODE_CONFIG}, each timed with split_kv and that config."""
     q, kc, vc, table, sl = make_decode_case(batch, ctx, device, gen)
     scale = D ** -0.5
     res = {}
     for v in variants:
-        res[v] = _bench(lambda: da.decode_attention_triton(q, kc, vc, table, sl, scale, ctx,
+        res[v] = do_bench_us(lambda: da.decode_attention_triton(q, kc, vc, table, sl, scale, ctx,
                                                            variant=v), rep=rep)
         if graph and v in ("gqa", "split_kv", "auto"):
-            res[v + "_graph"] = _bench(lambda: da.decode_attention_triton(
+            res[v + "_graph"] = do_bench_us(lambda: da.decode_attention_triton(
                 q, kc, vc, table, sl, scale, ctx, variant=v), graph=True)
     for cfg_name, cfg in (configs or {}).items():
-        old = dict(da.DECODE_CONFIG["split_kv"])
-        da.DECODE_CONFIG["split_kv"].update(cfg)
+        config = merge_config(da.DECODE_CONFIG, {"split_kv": cfg})
         try:
-            res[cfg_name] = _bench(lambda: da.decode_attention_triton(
-                q, kc, vc, table, sl, scale, ctx, variant="split_kv",
-                num_splits=cfg.get("splits")), rep=rep)
+            res[cfg_name] = do_bench_us(lambda: da.decode_attention_triton(
+                q, kc, vc, table, sl, scale, ctx, variant="split_kv", config=config), rep=rep)
         except Exception as e:  # a config that does not compile (shared memory) is skipped
             res[cfg_name] = None
             print(f"  config {cfg_name} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-        finally:
-            da.DECODE_CONFIG["split_kv"].clear()
-            da.DECODE_CONFIG["split_kv"].update(old)
     for s in splits or []:
-        res[f"splits={s}"] = _bench(lambda: da.decode_attention_triton(
+        res[f"splits={s}"] = do_bench_us(lambda: da.decode_attention_triton(
             q, kc, vc, table, sl, scale, ctx, variant="split_kv", num_splits=s), rep=rep)
     if sdpa:
         import torch.nn.functional as F
@@ -110,9 +95,9 @@ def bench_decode_shape(batch, ctx, device, gen, variants, graph=False, sdpa=True
 
         def sdpa_fn():
             return F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
-        res["sdpa"] = _bench(sdpa_fn, rep=rep)
+        res["sdpa"] = do_bench_us(sdpa_fn, rep=rep)
         if graph:
-            res["sdpa_graph"] = _bench(sdpa_fn, graph=True)
+            res["sdpa_graph"] = do_bench_us(sdpa_fn, graph=True)
         del k, v
     out_ref = da.decode_attention_torch(q[:1], kc, vc, table[:1], sl[:1], scale) if ctx <= 8192 else None
     if out_ref is not None:   # sanity: the timed kernel is right at this shape
@@ -126,8 +111,6 @@ def bench_decode_shape(batch, ctx, device, gen, variants, graph=False, sdpa=True
 
 def bench_prefill(device, gen, configs=None):
     import torch.nn.functional as F
-
-    from pagedlab.kernels import prefill_attention as pa
     rows = []
     for L in PREFILL_LENS:
         batch = max(1, PREFILL_TOKENS // L)
@@ -142,27 +125,23 @@ def bench_prefill(device, gen, configs=None):
         scale = D ** -0.5
         flops = 4 * batch * HQ * D * L * (L + 1) / 2          # causal: QK^T and PV, half the square
         row = {"seq_len": L, "batch": batch}
-        row["triton_us"] = _bench(lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl,
+        row["triton_us"] = do_bench_us(lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl,
                                                                       scale, L))
         for name, cfg in (configs or {}).items():
-            old = dict(pa.PREFILL_CONFIG)
-            pa.PREFILL_CONFIG.update(cfg)
+            config = merge_config(pa.PREFILL_CONFIG, cfg)
             try:
-                row[name] = _bench(lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl,
-                                                                       scale, L))
+                row[name] = do_bench_us(lambda: pa.prefill_attention_triton(
+                    q, kc, vc, table, cu, sl, scale, L, config=config))
             except Exception as e:
                 row[name] = None
                 print(f"  prefill config {name} failed: {type(e).__name__}: {str(e)[:120]}")
-            finally:
-                pa.PREFILL_CONFIG.clear()
-                pa.PREFILL_CONFIG.update(old)
         qc = q.view(batch, L, HQ, D).transpose(1, 2)
         kcont = torch.randn(batch, HKV, L, D, device=device, dtype=DTYPE, generator=gen)
         vcont = torch.randn(batch, HKV, L, D, device=device, dtype=DTYPE, generator=gen)
         # flash backend, K/V expanded to all query heads (its fastest GQA path)
         ke = kcont.repeat_interleave(HQ // HKV, 1)
         ve = vcont.repeat_interleave(HQ // HKV, 1)
-        row["sdpa_us"] = _bench(lambda: F.scaled_dot_product_attention(
+        row["sdpa_us"] = do_bench_us(lambda: F.scaled_dot_product_attention(
             qc, ke, ve, is_causal=True, scale=scale))
         row["triton_tflops"] = flops / (row["triton_us"] * 1e-6) / 1e12
         row["sdpa_tflops"] = flops / (row["sdpa_us"] * 1e-6) / 1e12
@@ -187,7 +166,6 @@ def bench_prefill(device, gen, configs=None):
 
 
 def pa_gather(cache, table, L):
-    from pagedlab.kernels.paged import gather_pages
     return gather_pages(cache, table)[:, :L].transpose(1, 2)      # [1, Hkv, L, D]
 
 
@@ -226,8 +204,6 @@ def launch_overhead(device, gen):
     import time
 
     import torch.nn.functional as F
-
-    from pagedlab.kernels import decode_attention as da
     q, kc, vc, table, sl = make_decode_case(1, 8192, device, gen)
     k = torch.randn(1, HKV, 8192, D, device=device, dtype=DTYPE)
     res = {}
@@ -249,7 +225,7 @@ def launch_overhead(device, gen):
     return res
 
 
-def plot(sweep, prefill_rows, copy_bw, out_dir):
+def plot(sweep, prefill_rows, copy_bw, folder):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -277,7 +253,7 @@ def plot(sweep, prefill_rows, copy_bw, out_dir):
     axes[-1].legend(fontsize=7)
     fig.suptitle("Paged decode attention, H200, bf16, 32q/8kv heads, head_dim 64, page 16")
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "kernels_decode_bandwidth.png"), dpi=120)
+    fig.savefig(os.path.join(folder, "kernels_decode_bandwidth.png"), dpi=120)
     plt.close(fig)
 
     if prefill_rows:
@@ -294,7 +270,7 @@ def plot(sweep, prefill_rows, copy_bw, out_dir):
         ax.legend()
         ax.set_title("Causal prefill attention, H200, bf16")
         fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "kernels_prefill_tflops.png"), dpi=120)
+        fig.savefig(os.path.join(folder, "kernels_prefill_tflops.png"), dpi=120)
         plt.close(fig)
 
 
@@ -308,35 +284,27 @@ PREFILL_TUNE_CONFIGS = {
 }
 
 
-def replot(json_path, out_dir):
+def replot(json_path, folder):
     """Redraw the figures from a saved kernels_bench.json (no GPU needed)."""
     with open(json_path) as f:
         d = json.load(f)
-    plot(d["sweep"] or d["table"], d["prefill"], d["meta"]["copy_bw_tbs"], out_dir)
+    plot(d["sweep"] or d["table"], d["prefill"], d["meta"]["copy_bw_tbs"], folder)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="pagedlab bench kernels", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m pagedlab bench kernels", description=__doc__)
     ap.add_argument("--out", default="figures", help="folder for the JSON, table and plots")
     ap.add_argument("--tune", action="store_true", help="also sweep launch configs and splits")
     ap.add_argument("--quick", action="store_true", help="only the table rows, no sweep")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA device", file=sys.stderr)
-        return 1
-    import triton
-
-    from pagedlab.kernels import decode_attention as da
-    os.makedirs(args.out, exist_ok=True)
+    require_cuda("bench kernels")
+    out = out_dir(args.out)
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
-    meta = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-            "triton": triton.__version__, "cuda": torch.version.cuda,
-            "date": datetime.date.today().isoformat(), "python": platform.python_version(),
-            "command": "python -m pagedlab.bench_kernels " + " ".join(argv or sys.argv[1:]),
-            "decode_config": da.DECODE_CONFIG, "sm_count": da._sm_count(device)}
+    meta = metadata("python -m pagedlab.bench.kernels", argv)
+    meta.update(decode_config=to_plain(da.DECODE_CONFIG), prefill_config=to_plain(pa.PREFILL_CONFIG))
     print(json.dumps(meta), flush=True)
-    copy_bw = copy_bandwidth(device)
+    copy_bw = copy_bandwidth_tbs(device)
     meta["copy_bw_tbs"] = copy_bw
     print(f"copy bandwidth (read+write): {copy_bw:.2f} TB/s", flush=True)
     meta["launch_overhead_us"] = launch_overhead(device, gen)
@@ -346,8 +314,8 @@ def main(argv=None):
         variants = ["naive", "blocked", "gqa", "split_kv", "auto"]
         res = bench_decode_shape(b, c, device, gen, variants, graph=True,
                                  configs=DECODE_TUNE_CONFIGS if args.tune else None,
-                                 splits=[1, 2, 4, 8, 16, 32, 64, 128] if args.tune else None)
-        plan = da.choose_decode_plan(b, HKV, c, da._sm_count(device),
+                                 splits=TUNE_SPLITS if args.tune else None)
+        plan = da.choose_decode_plan(b, HKV, c, sm_count(device),
                                      da.DECODE_CONFIG["split_kv"]["BLOCK_N"])
         table.append({"batch": b, "ctx": c, "us": res, "auto_plan": plan})
         print(f"decode B={b:3d} ctx={c:6d} plan={plan}: " +
@@ -361,20 +329,18 @@ def main(argv=None):
             for c in SWEEP_CTX:
                 if b * c > MAX_TOKENS:
                     continue
-                variants = ["blocked", "gqa", "split_kv", "auto"] + (["naive"] if b * c <= 65536 else [])
+                variants = ["blocked", "gqa", "split_kv", "auto"] + (["naive"] if b * c <= NAIVE_MAX_TOKENS else [])
                 res = bench_decode_shape(b, c, device, gen, variants, rep=50)
                 sweep.append({"batch": b, "ctx": c, "us": res})
                 print(f"sweep B={b:3d} ctx={c:6d}: " +
                       " ".join(f"{k}={v:.1f}" for k, v in res.items() if v is not None), flush=True)
     prefill_rows = bench_prefill(device, gen, PREFILL_TUNE_CONFIGS if args.tune else None)
 
-    with open(os.path.join(args.out, "kernels_bench.json"), "w") as f:
-        json.dump({"meta": meta, "table": table, "sweep": sweep, "prefill": prefill_rows}, f,
-                  indent=1, default=str)
-    with open(os.path.join(args.out, "kernels_table.md"), "w") as f:
-        f.write(md + "\n")
+    write_json(out / "kernels_bench.json",
+               {"meta": meta, "table": table, "sweep": sweep, "prefill": prefill_rows})
+    (out / "kernels_table.md").write_text(md + "\n")
     try:
-        plot(sweep or table, prefill_rows, copy_bw, args.out)
+        plot(sweep or table, prefill_rows, copy_bw, out)
     except Exception as e:
         print(f"plot failed: {e}", flush=True)
     return 0

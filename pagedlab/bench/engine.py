@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import time
-from pathlib import Path
 
 import torch
+
+from pagedlab.bench.common import (RANDOM_TOKEN_LIMIT, STREAM_NEW_TOKENS, STREAM_RUNS,
+                                   WARMUP_NEW_TOKENS, copy_bandwidth_tbs, device_line,
+                                   kernel_times_us, median, metadata, out_dir, random_prompt,
+                                   require_cuda, write_json)
+from pagedlab.sampling import SamplingParams
 
 
 def percentiles(xs, ps=(50, 90, 99)):
@@ -28,17 +32,7 @@ def percentiles(xs, ps=(50, 90, 99)):
     return {p: float(t.quantile(p / 100)) for p in ps}
 
 
-def copy_bandwidth(device) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read + written (median of do_bench)."""
-    from triton.testing import do_bench
-    n = 1 << 29                                          # 1 GiB of bf16 per buffer
-    a = torch.randn(n // 2, device=device, dtype=torch.float32).view(torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
-    return 2 * a.numel() * a.element_size() / (ms * 1e-3)
-
-
-def offline_workload(n=256, lo=100, hi=1024, vocab=128000, seed=0):
+def offline_workload(n=256, lo=100, hi=1024, vocab=RANDOM_TOKEN_LIMIT, seed=0):
     g = torch.Generator().manual_seed(seed)
     p_lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     o_lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
@@ -46,11 +40,11 @@ def offline_workload(n=256, lo=100, hi=1024, vocab=128000, seed=0):
     return prompts, o_lens
 
 
-def run_pagedlab(llm, prompts, out_lens):
-    from .sampling import SamplingParams
+def run_pagedlab(llm, prompts, out_lens, keep_tokens=False):
+    """Generate `out_lens[i]` tokens (EOS ignored) for each prompt: tokens/s, TTFT and ITL
+    percentiles, the engine's host time per phase (and, keep_tokens, every request's tokens)."""
     eng = llm.engine
-    for k in eng.timing:
-        eng.timing[k] = 0 if k == "steps" else 0.0
+    eng.reset_timing()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in out_lens])
@@ -58,10 +52,22 @@ def run_pagedlab(llm, prompts, out_lens):
     n_out = sum(len(o.token_ids) for o in outs)
     assert n_out == sum(out_lens)
     itl = [x for o in outs for x in o.itl_s]
-    return dict(tokens=n_out, wall_s=wall, tokens_per_s=n_out / wall,
-                ttft_ms={k: v * 1e3 for k, v in percentiles([o.ttft_s for o in outs]).items()},
-                itl_ms={k: v * 1e3 for k, v in percentiles(itl).items()},
-                host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()})
+    res = dict(tokens=n_out, wall_s=wall, tokens_per_s=n_out / wall,
+               ttft_ms={k: v * 1e3 for k, v in percentiles([o.ttft_s for o in outs]).items()},
+               itl_ms={k: v * 1e3 for k, v in percentiles(itl).items()},
+               host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()})
+    if keep_tokens:
+        res["token_ids"] = [o.token_ids for o in outs]
+    return res
+
+
+def one_stream(llm, prompt, new_tokens=STREAM_NEW_TOKENS, runs=STREAM_RUNS, keep_tokens=False):
+    """One request at a time, after a warm-up: the run of median tokens/s, with every run's
+    tokens/s in `runs_tokens_per_s`."""
+    run_pagedlab(llm, [prompt], [WARMUP_NEW_TOKENS])
+    results = [run_pagedlab(llm, [prompt], [new_tokens], keep_tokens) for _ in range(runs)]
+    return dict(median(results, key=lambda r: r["tokens_per_s"]),
+                runs_tokens_per_s=sorted(round(r["tokens_per_s"], 1) for r in results))
 
 
 def run_hf_generate(model, prompt, new_tokens):
@@ -96,21 +102,30 @@ def run_hf_generate_batch(model, prompts, new_tokens):
                 note=f"{len(prompts)} requests x {new_tokens} new tokens, after an 8 x 32 warm-up")
 
 
+def finish(engine):
+    """Run the engine until every request is done."""
+    while engine.has_work():
+        engine.step()
+
+
+def step_until_decoding(engine):
+    """Step the engine until no request waits and every admitted one is past its prefill."""
+    s = engine.scheduler
+    while s.waiting or any(r.num_tokens - r.num_computed > 1 for r in s.admitted):
+        engine.step()
+
+
 def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
     """Kernel-time breakdown of decode steps at `batch` sequences of ~`context` tokens (torch
     profiler over graph replays). Returns {kernel name: us per step} and the wall time per step.
     With programmatic dependent launch on (kernels/pdl.py) a kernel's time includes its wait for
     the previous one, so the kernel times add up to more than the step: see `bench step`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from .sampling import SamplingParams
+    from pagedlab.kernels import pdl
     eng = llm.engine
-    g = torch.Generator().manual_seed(batch)
-    for _ in range(batch):
-        eng.add_request(torch.randint(0, 128000, (context,), generator=g).tolist(),
+    for i in range(batch):
+        eng.add_request(random_prompt(context, seed=batch * 1000 + i),
                         SamplingParams(max_new_tokens=steps * 3 + 8, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_tokens - r.num_computed > 1 for r in eng.scheduler.admitted):
-        eng.step()
+    step_until_decoding(eng)
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
@@ -119,21 +134,10 @@ def profile_decode(llm, batch: int, context: int, steps: int = 5) -> dict:
         eng.step()              # with overlap a call returns before its own step is done...
     torch.cuda.synchronize()    # ...so the wall time waits for the last one
     wall = (time.perf_counter() - t0) / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-    per = {}
-    for e in prof.key_averages():
-        if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0):
-            t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-            if t:
-                per[e.key[:60]] = per.get(e.key[:60], 0) + t / steps
-    eng.run()
-    from .kernels import pdl
-    return dict(batch=batch, context=context, pdl=pdl.PDL, wall_ms=wall * 1e3,
-                kernel_us=dict(sorted(per.items(), key=lambda kv: -kv[1])),
-                kernel_total_us=sum(per.values()))
+    per = kernel_times_us(eng.step, steps)
+    finish(eng)
+    return dict(batch=batch, context=context, pdl=pdl.effective_mode(torch.device("cuda")),
+                wall_ms=wall * 1e3, kernel_us=per, kernel_total_us=sum(per.values()))
 
 
 def fmt_row(name, r, ref=None, floor_tps=None):
@@ -189,19 +193,15 @@ def main(argv=None):
     p.add_argument("--out", default="figures", help="where engine_bench.json/.png go")
     p.add_argument("--profile", action="store_true", help="only a kernel breakdown of decode steps")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench engine needs a CUDA GPU")
+    require_cuda("bench engine")
 
-    import transformers
-    import triton
-
-    from .llm import LLM
-    from .reference import hf_model
-    from .weights import load_checkpoint
+    from pagedlab.llm import LLM
+    from pagedlab.reference import hf_model
+    from pagedlab.weights import load_checkpoint
 
     dev = torch.device("cuda")
     ckpt = load_checkpoint(args.model, show_progress=False)
-    bw = copy_bandwidth(dev)
+    bw = copy_bandwidth_tbs(dev) * 1e12                              # bytes/s
     prompts, out_lens = offline_workload(args.requests)
     need = max(len(a) + b for a, b in zip(prompts, out_lens))
     t0 = time.perf_counter()
@@ -211,31 +211,23 @@ def main(argv=None):
     weight_bytes = llm.model.num_bytes()
     floor_tps = bw / weight_bytes
     results = dict(
-        date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name(), torch=torch.__version__,
-        triton=triton.__version__, transformers=transformers.__version__, python=platform.python_version(),
+        metadata("python -m pagedlab.bench.engine", argv),
         model=ckpt.source, copy_bandwidth_TBps=bw / 1e12, weight_GB=weight_bytes / 1e9,
-        floor_tokens_per_s=floor_tps, engine_setup_s=setup_s,
-        kv_pool_blocks=llm.engine.kv_cache.num_blocks, one_stream={}, offline={})
-    results["device_line"] = (f"{results['device']}, torch {results['torch']}, triton {results['triton']}, "
-                              f"transformers {results['transformers']}, {results['date']}")
+        floor_tokens_per_s=floor_tps, engine_setup_s=setup_s, one_stream={}, offline={})
+    results["device_line"] = device_line(results)
+    out = out_dir(args.out)
 
     if args.profile:
         prof = [profile_decode(llm, b, c) for b, c in ((1, 256), (64, 1024), (256, 1024))]
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "engine_profile.json").write_text(json.dumps(prof, indent=1))
+        write_json(out / "engine_profile.json", prof)
         for r in prof:
             print(f"\nbatch {r['batch']} context {r['context']}: {r['wall_ms']:.3f} ms/step wall, "
                   f"{r['kernel_total_us']:.0f} us/step of kernels")
             for k, v in list(r["kernel_us"].items())[:14]:
                 print(f"  {v:8.1f} us  {k}")
         return
-    g = torch.Generator().manual_seed(1)
-    stream_prompt = torch.randint(0, 128000, (128,), generator=g).tolist()
-    run_pagedlab(llm, [stream_prompt], [16])                                   # warm up
-    runs = sorted((run_pagedlab(llm, [stream_prompt], [256]) for _ in range(5)),
-                  key=lambda r: r["tokens_per_s"])
-    results["one_stream"]["pagedlab"] = dict(runs[len(runs) // 2], runs_tokens_per_s=[
-        round(r["tokens_per_s"], 1) for r in runs])                      # the median of 5 runs
+    stream_prompt = random_prompt()
+    results["one_stream"]["pagedlab"] = one_stream(llm, stream_prompt)       # the median of 5 runs
     # The first pass over the offline workload JIT-compiles Triton kernel variants (prefill
     # shapes, split counts of mixed steps): measured 18,258 tokens/s on a cold Triton cache and
     # 35,850 warm for the same commit on the same machine. Time the second pass.
@@ -249,7 +241,7 @@ def main(argv=None):
     if not args.no_hf:
         hf = hf_model(ckpt, torch.bfloat16, "cuda")
         try:
-            results["one_stream"]["hf_generate"] = run_hf_generate(hf, stream_prompt, 256)
+            results["one_stream"]["hf_generate"] = run_hf_generate(hf, stream_prompt, STREAM_NEW_TOKENS)
         except Exception as e:                                    # report, don't hide
             results["one_stream"]["hf_generate"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         mean_out = round(sum(out_lens) / len(out_lens))
@@ -263,9 +255,7 @@ def main(argv=None):
         except Exception as e:
             results["offline"]["hf_generate_batch"] = {"error": f"{type(e).__name__}: {e}"[:200]}
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "engine_bench.json").write_text(json.dumps(results, indent=1))
+    write_json(out / "engine_bench.json", results)
     plot(results, out / "engine_bench.png")
     os_, off = results["one_stream"], results["offline"]
     lines = [

@@ -1,0 +1,113 @@
+"""`python -m pagedlab bench step`: one decode step at batch 1, variant by variant.
+
+At batch 1 a decode step is ~100 short kernels replayed from a CUDA graph, and what is left
+between the weight-bandwidth floor and the measured step is launch boundaries and host time.
+This command measures, for each programmatic-dependent-launch mode (kernels/pdl.py: off, late):
+
+  graph_us     one replay of the step's graph, GPU only (CUDA events around back-to-back replays)
+  kernels_us   the sum of the kernels' own times in one replay (torch profiler): graph_us minus
+               this is the time between kernels
+  one stream   tokens/s of one request (128-token prompt, 256 new tokens, median of 5 runs), with
+               the engine's step overlap on and off (engine.py: launch step n+1 before reading n)
+
+and checks that every variant generates exactly the same tokens (PDL and overlap change when
+things run, never what they compute). Default model: the Llama-3.2-1B config, random bf16 weights.
+Writes step_bench.json (and prints a table). The PDL mode reaches the kernels through
+LLM(kernel_options={"pdl": mode}) (select_kernels binds it); overlap through LLM(overlap=...).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+
+import torch
+
+from pagedlab.bench.common import (device_line, event_time_us, kernel_times_us, metadata, out_dir,
+                                   random_prompt, require_cuda, write_json)
+from pagedlab.bench.engine import finish, one_stream, step_until_decoding
+from pagedlab.sampling import SamplingParams
+
+MAX_MODEL_LEN = 4096
+REPLAYS_PER_ROUND = 200
+WARMUP_REPLAYS = 20
+PROFILED_REPLAYS = 20
+
+
+def graph_step_us(llm, context: int) -> tuple[float, float]:
+    """(GPU time of one batch-1 graph replay at `context` tokens, kernel time inside it) in us.
+    The engine runs a request until it decodes; then its batch-1 graph is replayed with the inputs
+    the last launch left in place (the same step again and again)."""
+    eng = llm.engine
+    graphs = eng.runner.graphs
+    if graphs is None or 1 not in graphs.sizes:
+        raise SystemExit("bench step needs the engine's CUDA graph of batch size 1")
+    eng.add_request(random_prompt(context, seed=context),
+                    SamplingParams(max_new_tokens=8, ignore_eos=True))
+    step_until_decoding(eng)
+    eng.step()                                     # a decode step: its graph's inputs are in place
+    torch.cuda.synchronize()
+
+    def replay():
+        graphs.replay(1)
+    for _ in range(WARMUP_REPLAYS):
+        replay()
+    graph_us = event_time_us(replay, calls_per_round=REPLAYS_PER_ROUND, rounds=5)
+    kernels_us = sum(kernel_times_us(replay, PROFILED_REPLAYS).values())
+    finish(eng)                                    # the request's tokens are garbage now
+    return graph_us, kernels_us
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m pagedlab bench step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-3.2-1b")
+    p.add_argument("--modes", default="off,late", help="PDL modes (kernels/pdl.py): off, late")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--out", default="figures")
+    args = p.parse_args(argv)
+    require_cuda("bench step")
+
+    from pagedlab.kernels import pdl
+    from pagedlab.llm import LLM
+    from pagedlab.weights import load_checkpoint
+    modes = [pdl.check_mode(m, "--modes") for m in args.modes.split(",")]
+    dev = torch.device("cuda")
+    ckpt = load_checkpoint(args.model, show_progress=False)
+    prompt = random_prompt()
+    rows, tokens = [], {}
+    for mode in modes:
+        row = dict(pdl=mode, effective_pdl=pdl.effective_mode(dev, mode))
+        for overlap in (True, False):
+            llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=1,
+                      max_model_len=MAX_MODEL_LEN, show_progress=False, overlap=overlap,
+                      kernel_options={"pdl": mode})
+            if overlap:                            # the graph is the same with and without
+                row["graph_us"], row["kernels_us"] = graph_step_us(llm, args.context)
+                row["between_kernels_us"] = row["graph_us"] - row["kernels_us"]
+            run = one_stream(llm, prompt, keep_tokens=True)
+            key = "overlap" if overlap else "no_overlap"
+            row[f"one_stream_{key}"] = run["tokens_per_s"]
+            row[f"runs_{key}"] = run["runs_tokens_per_s"]
+            tokens[(mode, key)] = run["token_ids"][0]
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    first = next(iter(tokens.values()))
+    same = {f"{m}/{k}": v == first for (m, k), v in tokens.items()}
+    res = dict(metadata("python -m pagedlab.bench.step", argv), model=ckpt.source,
+               context=args.context, rows=rows, same_tokens_as_first=same)
+    write_json(out_dir(args.out) / "step_bench.json", res)
+    print(f"\n{device_line(res)}; batch 1, context {args.context}")
+    print("| PDL | graph replay us | kernels us | between us | one stream, overlap | no overlap |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['pdl']} | {r['graph_us']:.1f} | {r['kernels_us']:.1f} | {r['between_kernels_us']:.1f} | "
+              f"{r['one_stream_overlap']:.0f} | {r['one_stream_no_overlap']:.0f} |")
+    print("identical tokens across variants:", all(same.values()), same)
+
+
+if __name__ == "__main__":
+    main()
