@@ -1,15 +1,140 @@
-"""Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig)."""
+"""Configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both check every field when they are built, so a bad value fails at once with a message that names
+the field, what was expected and what was found (and, for a model read from a file, the file and
+its key) -- not later, deep inside a reshape or a kernel launch."""
 from __future__ import annotations
 
 import json
+import math
+import numbers
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config field with a bad value. `field`, `expected` and `found` say which and why;
+    `located(source, key)` gives the same error prefixed by the file (and its key) it came from."""
+
+    def __init__(self, field_name: str, expected: str, found, detail: str = ""):
+        self.field, self.expected, self.found, self.detail = field_name, expected, found, detail
+        super().__init__(self._text())
+
+    def _text(self, key: str | None = None) -> str:
+        where = f" ({key})" if key else ""
+        found = self.found if isinstance(self.found, str) and self.found.startswith("<") else repr(self.found)
+        return f"{self.field}{where} must be {self.expected}, found {found}{self.detail}"
+
+    def located(self, source: str | None, key: str | None = None) -> ValueError:
+        text = self._text(key)
+        return ValueError(f"{source}: {text}" if source else text)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _type_name(x) -> str:
+    return f"<{type(x).__name__} {x!r}>"
+
+
+def _check_int(name: str, value, lo: int | None = None, hi: int | None = None, optional: bool = False):
+    """An int (not a bool, not a float) in [lo, hi); returns it as a plain int (numpy ints too)."""
+    if value is None and optional:
+        return None
+    rng = (f" >= {lo}" if hi is None else f" in [{lo}, {hi})") if lo is not None else ""
+    expected = ("None or " if optional else "") + "an int" + rng
+    if not _is_int(value):
+        raise ConfigError(name, expected, _type_name(value))
+    value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        raise ConfigError(name, expected, value)
+    return value
+
+
+def _check_positive_real(name: str, value, optional: bool = False):
+    """A finite real number > 0 (an int is fine); returns it as a float."""
+    if value is None and optional:
+        return None
+    expected = ("None or " if optional else "") + "a finite number > 0"
+    if not _is_real(value):
+        raise ConfigError(name, expected, _type_name(value))
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(name, expected, value)
+    return value
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(name, "True or False", _type_name(value))
+    return value
+
+
+def _check_choice(name: str, value, choices) -> str:
+    if value not in choices:
+        raise ConfigError(name, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
+
+
+def union_ids(*id_lists) -> list[int]:
+    """The union of several token-id lists (or single ids, or None), first-seen order, no duplicates."""
+    out: list[int] = []
+    for ids in id_lists:
+        if ids is None:
+            continue
+        for i in ([ids] if _is_int(ids) else ids):
+            if i not in out:
+                out.append(i)
+    return out
+
+
+def eos_ids_from(value, key: str, source: str | None) -> list[int]:
+    """An `eos_token_id` entry of config.json / generation_config.json: an int, a list of ints or
+    null -> a list of ints."""
+    if value is None:
+        return []
+    if _is_int(value):
+        return [int(value)]
+    if isinstance(value, (list, tuple)) and all(_is_int(v) for v in value):
+        return [int(v) for v in value]
+    raise ConfigError("eos_token_ids", "an int or a list of ints", _type_name(value)).located(source, key)
+
+
+def read_json_object(path: str | Path) -> dict:
+    """A JSON file that must hold one object ({...}): anything else is a ValueError naming the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text (UTF-8) file ({e}); is it really a JSON config?") from e
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is damaged: download it again") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object ({{...}}) at the top level, "
+                         f"found a JSON {type(d).__name__}")
+    return d
+
+
+# ModelConfig field -> config.json key (where they differ), for error messages.
+HF_KEYS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads", "eos_token_ids": "eos_token_id"}
+HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
 class ModelConfig:
     """The shape of a Llama-family model. Read from a checkpoint's config.json, from GGUF metadata,
-    or written by hand for random test models."""
+    or written by hand for random test models. Every field is checked when it is built."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -27,11 +152,66 @@ class ModelConfig:
     name: str = "llama"
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        """Check (and normalize: numpy ints -> int, an eos int -> [int]) every field; a bad one
+        raises ConfigError (a ValueError) naming the field, the expected and the found value."""
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            setattr(self, f, _check_int(f, getattr(self, f), lo=1))
         if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError("hidden_size", f"a multiple of num_heads ({self.num_heads}) when "
+                                  f"head_dim is not given", self.hidden_size,
+                                  f" ({self.hidden_size} % {self.num_heads} = "
+                                  f"{self.hidden_size % self.num_heads}); or give head_dim")
             self.head_dim = self.hidden_size // self.num_heads
+        self.head_dim = _check_int("head_dim", self.head_dim, lo=2)
+        if self.head_dim % 2:
+            raise ConfigError("head_dim", "even (RoPE rotates the two halves of each head)", self.head_dim)
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads}) for grouped-query attention")
+            raise ConfigError("num_kv_heads", f"a divisor of num_heads ({self.num_heads}) for "
+                              f"grouped-query attention", self.num_kv_heads)
+        self.rms_norm_eps = _check_positive_real("rms_norm_eps", self.rms_norm_eps)
+        self.rope_theta = _check_positive_real("rope_theta", self.rope_theta)
+        self.rope_scaling = self._checked_rope_scaling(self.rope_scaling)
+        self.max_position_embeddings = _check_int("max_position_embeddings", self.max_position_embeddings, lo=1)
+        self.tie_word_embeddings = _check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        self.bos_token_id = _check_int("bos_token_id", self.bos_token_id, 0, self.vocab_size, optional=True)
+        eos = self.eos_token_ids
+        if _is_int(eos):
+            eos = [eos]
+        if not isinstance(eos, (list, tuple)):
+            raise ConfigError("eos_token_ids", "a list of ints", _type_name(eos))
+        self.eos_token_ids = union_ids([_check_int("eos_token_ids", e, 0, self.vocab_size) for e in eos])
+        if not isinstance(self.name, str):
+            raise ConfigError("name", "a str", _type_name(self.name))
+
+    @staticmethod
+    def _checked_rope_scaling(rs):
+        if rs is None:
+            return None
+        if not isinstance(rs, dict):
+            raise ConfigError("rope_scaling", "None or a dict", _type_name(rs))
+        kind = rs.get("rope_type", rs.get("type", "default"))
+        if kind in ("default", None):
+            return dict(rs)
+        if kind != "llama3":
+            raise ConfigError("rope_scaling", "None or llama3 scaling (rope_type 'llama3'; pagedlab "
+                              "implements no other)", f"<rope_type {kind!r}>")
+        missing = [k for k in LLAMA3_ROPE_KEYS if k not in rs]
+        if missing:
+            raise ConfigError("rope_scaling", "a llama3 scaling with keys " + ", ".join(LLAMA3_ROPE_KEYS),
+                              rs, f" (missing {', '.join(missing)})")
+        out = dict(rs)
+        for k in ("factor", "low_freq_factor", "high_freq_factor"):
+            out[k] = _check_positive_real(f"rope_scaling[{k!r}]", rs[k])
+        out["original_max_position_embeddings"] = _check_int(
+            "rope_scaling['original_max_position_embeddings']", rs["original_max_position_embeddings"], lo=1)
+        if out["high_freq_factor"] <= out["low_freq_factor"]:
+            raise ConfigError("rope_scaling['high_freq_factor']",
+                              f"> low_freq_factor ({out['low_freq_factor']})", out["high_freq_factor"])
+        return out
 
     @property
     def group_size(self) -> int:
@@ -39,31 +219,55 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_dict(cls, d: dict, name: str = "llama") -> "ModelConfig":
-        """From a Hugging Face config.json (transformers 4 `rope_scaling` or 5 `rope_parameters`)."""
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or None
-        theta = d.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    def create(cls, source: str | None = None, keys: dict | None = None, **kwargs) -> "ModelConfig":
+        """ModelConfig(**kwargs), with a bad field's error prefixed by `source` (the file) and
+        where the file keeps it (`keys`: field -> words, e.g. "key 'num_hidden_layers'")."""
+        try:
+            return cls(**kwargs)
+        except ConfigError as e:
+            raise e.located(source, (keys or {}).get(e.field.split("[")[0])) from None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, name: str = "llama", source: str | None = None) -> "ModelConfig":
+        """From a Hugging Face config.json (transformers 4 `rope_scaling` or 5 `rope_parameters`).
+        `source` (the file, say) prefixes every error message."""
+        where = source or "config.json"
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object ({{...}}), found a {type(d).__name__}")
+        for k in HF_REQUIRED:
+            if d.get(k) is None:
+                raise ValueError(f"{where}: missing required key {k!r}")
+        rope = d.get("rope_parameters")
+        if rope is None:
+            rope = d.get("rope_scaling")
+        if rope is not None and not isinstance(rope, dict):
+            raise ConfigError("rope_scaling", "null or an object", _type_name(rope)).located(
+                where, "key 'rope_parameters'" if "rope_parameters" in d else "key 'rope_scaling'")
+        theta = d.get("rope_theta")
+        if theta is None:
+            theta = (rope or {}).get("rope_theta", 10000.0)
         if rope is not None:
             rope = {k: v for k, v in rope.items() if k != "rope_theta"}
             if rope.get("rope_type", rope.get("type", "default")) == "default":
                 rope = None
-        eos = d.get("eos_token_id")
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return cls(
+        kv = d.get("num_key_value_heads")
+        return cls.create(
+            source=where, keys={f: f"key {k!r}" for f, k in HF_KEYS.items()},
             vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
             num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            num_kv_heads=d["num_attention_heads"] if kv is None else kv,
             head_dim=d.get("head_dim"), rms_norm_eps=d.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta), rope_scaling=rope,
+            rope_theta=theta, rope_scaling=rope,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos, name=name)
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids_from(d.get("eos_token_id"), "key 'eos_token_id'", where), name=name)
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        return cls.from_hf_dict(json.loads(path.read_text()), name=path.parent.name)
+        return cls.from_hf_dict(read_json_object(path), name=path.parent.name, source=str(path))
 
     def to_hf_dict(self) -> dict:
         """A config.json dict that transformers' LlamaConfig accepts (used to check against it)."""
@@ -112,9 +316,82 @@ def tiny_config(vocab_size: int = 512, **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# ---------------------------------------------------------------- engine settings
+POLICIES = ("continuous", "static")
+ATTENTION_BACKENDS = ("torch", "triton", "auto")
+# pagedlab.kernels.decode_attention.VARIANTS + ("auto",) (not imported here: that module needs Triton)
+DECODE_VARIANTS = ("naive", "blocked", "gqa", "split_kv", "auto")
+CUDA_GRAPH_MODES = (True, False, "eager")
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "fp16": "float16", "half": "float16",
+                 "float32": "float32", "fp32": "float32", "float": "float32"}
+DEVICE_HINTS = {"gpu": "cuda", "cuda0": "cuda:0", "nvidia": "cuda", "cpu0": "cpu", "cpu:0": "cpu"}
+
+
+def normalize_dtype(dtype, name: str = "dtype") -> str | None:
+    """None, a name ("bf16", "half", "float32", ...) or a torch dtype -> None or one of DTYPES."""
+    if dtype is None:
+        return None
+    key = str(dtype).removeprefix("torch.") if type(dtype).__name__ == "dtype" else dtype
+    if isinstance(key, str) and key.lower() in DTYPE_ALIASES:
+        return DTYPE_ALIASES[key.lower()]
+    raise ConfigError(name, "None or one of " + ", ".join(repr(d) for d in DTYPES) +
+                      " (aliases: " + ", ".join(repr(a) for a in DTYPE_ALIASES if a not in DTYPES) +
+                      "; or the torch dtype)", dtype if isinstance(dtype, str) else _type_name(dtype))
+
+
+def normalize_device(device, name: str = "device") -> str | None:
+    """None, "cpu", "cuda", "cuda:N" or a torch.device of those -> None or that string."""
+    if device is None:
+        return None
+    text = str(device) if type(device).__name__ == "device" else device
+    if isinstance(text, str) and re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        return text
+    hint = ""
+    if isinstance(text, str):
+        low = text.strip().lower()
+        guess = DEVICE_HINTS.get(low) or (low if re.fullmatch(r"cpu|cuda(:\d+)?", low) else None)
+        if guess is None and re.fullmatch(r"(gpu|cuda)\s*:?\s*\d+", low):
+            guess = "cuda:" + re.sub(r"\D", "", low)
+        hint = f": did you mean {guess!r}?" if guess else ""
+    raise ConfigError(name, "None, 'cpu', 'cuda' or 'cuda:N'",
+                      device if isinstance(device, str) else _type_name(device), hint)
+
+
+def resolve_device_dtype(device=None, dtype=None):
+    """(torch.device, torch.dtype) to run on. device None -> CUDA when torch sees a GPU, else CPU;
+    dtype None -> on CUDA bfloat16 where the GPU has bf16 tensor cores (compute capability >= 8.0,
+    Ampere and later), else float16 (e.g. Colab's T4, sm75); on CPU float32. float16/bfloat16 on CPU
+    are allowed (slow, but torch computes them); anything but the three float dtypes is an error."""
+    import torch
+
+    name = normalize_device(device)
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for but torch.cuda.is_available() is False "
+                             f"(a CPU-only torch build or no GPU): use device='cpu'")
+        index = int(name.split(":")[1]) if ":" in name else None
+        count = torch.cuda.device_count()
+        if index is not None and index >= count:
+            raise ValueError(f"device {name!r} was asked for but torch sees {count} CUDA device(s) "
+                             f"(cuda:0 .. cuda:{count - 1})")
+    dev = torch.device(name)
+    dt = normalize_dtype(dtype)
+    if dt is None:
+        if dev.type == "cuda":
+            dt = "bfloat16" if tuple(torch.cuda.get_device_capability(dev)) >= (8, 0) else "float16"
+        else:
+            dt = "float32"
+    return dev, getattr(torch, dt)
+
+
 @dataclass
 class EngineConfig:
-    """How the engine runs: the KV pool, the slots, the policy and the kernels.
+    """How the engine runs: the KV pool, the slots, the policy and the kernels. Every field is
+    checked when it is built (a bad one raises ConfigError, a ValueError naming it).
 
     num_blocks:        KV pool size in blocks; None -> `memory_fraction` of free device memory
                        (on CPU: enough blocks for every slot at max_model_len, capped at 4 GiB).
@@ -126,10 +403,15 @@ class EngineConfig:
                        starts together and ends with its longest member).
     attention_backend: "torch" (plain torch, CPU and GPU), "triton", or "auto" (triton on CUDA).
     decode_variant:    which Triton decode kernel: naive, blocked, gqa, split_kv or auto.
-    cuda_graphs:       on CUDA, replay captured graphs for decode-only steps (see cuda_graph.py).
+    cuda_graphs:       on CUDA, replay captured graphs for decode-only steps (see cuda_graph.py);
+                       "eager": run the same graph code path without capturing (for debugging).
     overlap:           with graphs and greedy decoding, launch decode step n+1 before reading
                        step n's tokens, so the host's bookkeeping runs while the GPU works
                        (engine.py, Engine.step). Off with trace=True (a trace shows steps one by one).
+    dtype, device:     None (chosen by resolve_device_dtype) or a name; dtype aliases such as
+                       "bf16" and torch dtypes are normalized to "bfloat16", "float16", "float32".
+    trace:             record every step (see trace.py); max_trace_steps: keep at most that many
+                       (the oldest are dropped), None keeps all.
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -140,27 +422,40 @@ class EngineConfig:
     policy: str = "continuous"
     attention_backend: str = "auto"
     decode_variant: str = "auto"
-    cuda_graphs: bool = True
+    cuda_graphs: bool | str = True
     overlap: bool = True
     dtype: str | None = None
     device: str | None = None
     trace: bool = False
     seed: int = 0
+    max_trace_steps: int | None = 10_000
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs (slots) must be >= 1, got {self.max_num_seqs}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        self.validate()
+
+    def validate(self):
+        self.block_size = _check_int("block_size", self.block_size, lo=1)
+        self.num_blocks = _check_int("num_blocks", self.num_blocks, lo=1, optional=True)
+        if not _is_real(self.memory_fraction):
+            raise ConfigError("memory_fraction", "a number in (0, 1]", _type_name(self.memory_fraction))
         if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.policy not in ("continuous", "static"):
-            raise ValueError(f"policy must be 'continuous' or 'static', got {self.policy!r}")
-        if self.attention_backend not in ("torch", "triton", "auto"):
-            raise ValueError(f"attention_backend must be 'torch', 'triton' or 'auto', "
-                             f"got {self.attention_backend!r}")
+            raise ConfigError("memory_fraction", "a number in (0, 1]", self.memory_fraction)
+        self.memory_fraction = float(self.memory_fraction)
+        self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, lo=1)
+        self.max_model_len = _check_int("max_model_len", self.max_model_len, lo=2, optional=True)
+        self.max_num_batched_tokens = _check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("decode_variant", self.decode_variant, DECODE_VARIANTS)
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
+            raise ConfigError("cuda_graphs", "True, False or 'eager'",
+                              self.cuda_graphs if isinstance(self.cuda_graphs, str) else _type_name(self.cuda_graphs))
+        self.overlap = _check_bool("overlap", self.overlap)
+        self.trace = _check_bool("trace", self.trace)
+        self.dtype = normalize_dtype(self.dtype)
+        self.device = normalize_device(self.device)
+        self.seed = _check_int("seed", self.seed, 0, 2 ** 63)
+        self.max_trace_steps = _check_int("max_trace_steps", self.max_trace_steps, lo=1, optional=True)
 
     def to_dict(self) -> dict:
         return asdict(self)
