@@ -12,8 +12,10 @@ def hf_gguf_model(smollm2):
     import transformers
     from transformers import AutoModelForCausalLM
     transformers.logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(smollm2.tokenizer_dir, gguf_file=smollm2.gguf_file,
-                                                dtype=torch.float32).eval()
+    # `dtype=` since transformers 4.56; before, `torch_dtype=` (an unknown `dtype` reaches the model)
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    kw = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+    return AutoModelForCausalLM.from_pretrained(smollm2.tokenizer_dir, gguf_file=smollm2.gguf_file, **kw).eval()
 
 
 def test_gguf_weights_equal_transformers_loader(smollm2, hf_gguf_model):
@@ -38,7 +40,10 @@ def test_greedy_generation_equals_transformers(smollm2_llm, hf_gguf_model):
     tok = smollm2_llm.tokenizer
     prompts = [tok.chat(p) for p in DEMO_PROMPTS]
     outs = smollm2_llm.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
-    eos = set(tok.eos_token_ids)
+    # what the engine stops on: model eos + tokenizer eos + the template's end of turn (<|im_end|>,
+    # whatever transformers reports as the tokenizer's eos)
+    eos = set(getattr(smollm2_llm.engine, "stop_token_ids", None) or tok.stop_token_ids)
+    assert 2 in eos
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
             ref = hf_gguf_model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
@@ -52,3 +57,13 @@ def test_greedy_generation_equals_transformers(smollm2_llm, hf_gguf_model):
 def test_demo_answers_four(smollm2_llm):
     out = smollm2_llm.chat("What is 2+2?", SamplingParams(max_new_tokens=48))[0]
     assert "4" in out.text and out.finish_reason == "stop"
+    assert out.token_ids[-1] == 2                  # <|im_end|>: the end of the assistant's turn
+
+
+def test_chat_template_ids_equal_transformers(smollm2_llm):
+    """tok.chat gives the ids of transformers' own apply_chat_template (benign prompts)."""
+    tok = smollm2_llm.tokenizer
+    for p in DEMO_PROMPTS:
+        ref = tok.hf.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                         tokenize=True)
+        assert tok.chat(p) == list(ref["input_ids"] if hasattr(ref, "keys") else ref)
