@@ -55,13 +55,21 @@ def choose_model(small: bool | None = None, verbose: bool = True) -> str:
     return name
 
 
+def device_dtype():
+    """(device, dtype) the notebooks use: the engine's own choice (config.resolve_device_dtype):
+    bf16 on GPUs with bf16 tensor cores (sm80+), fp16 below (Colab's free T4 is sm75), fp32 on CPU."""
+    from .config import resolve_device_dtype
+    return resolve_device_dtype()
+
+
 def device_report() -> str:
     """One line: which device the notebooks will use and what the CPU fallback does."""
     import torch
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
-        return (f"GPU: {p.name} ({p.total_memory / 2**30:.0f} GiB) -- Triton kernels compile for it, "
-                f"bf16 weights.")
+        dtype = str(device_dtype()[1]).replace("torch.", "")
+        return (f"GPU: {p.name} ({p.total_memory / 2**30:.0f} GiB, compute capability "
+                f"{p.major}.{p.minor}) -- Triton kernels compile for it, {dtype} weights.")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     return ("CPU only -- the engine runs its plain-torch kernels in fp32; Triton cells run in "
             f"Triton's interpreter ({'on' if interp else 'OFF: set TRITON_INTERPRET=1 before importing'}"

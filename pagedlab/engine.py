@@ -40,16 +40,6 @@ CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4
 SEED_BITS = 31                      # seeds drawn for requests without one: [0, 2**31)
 
 
-def resolve_device_dtype(device=None, dtype=None):
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    elif isinstance(dtype, str):
-        names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        dtype = getattr(torch, names.get(dtype, dtype))
-    return device, dtype
-
-
 def max_positions(cfg: EngineConfig, model_config) -> int:
     """The longest sequence asked for: EngineConfig.max_model_len, else the model's own limit. (The
     engine may hold fewer: a sequence never outgrows the KV pool.)"""
@@ -122,7 +112,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
                                   cfg.cuda_graphs)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
-                           **_trace_cap(cfg)) if cfg.trace else None
+                           max_steps=cfg.max_trace_steps) if cfg.trace else None
         self._next_id = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self._t0 = time.perf_counter()
@@ -301,11 +291,6 @@ class Engine:
                 for r in finished:
                     on_finish(r)
         return done
-
-
-def _trace_cap(cfg: EngineConfig) -> dict:
-    cap = getattr(cfg, "max_trace_steps", None)
-    return {} if cap is None else {"max_steps": cap}
 
 
 def prompt_ids(prompt) -> list[int]:

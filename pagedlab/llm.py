@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import EngineConfig
-from .engine import Engine, max_positions, resolve_device_dtype
+from .config import EngineConfig, resolve_device_dtype
+from .engine import Engine, max_positions
 from .kernels import select_kernels
 from .model import LlamaModel
 from .request import Request
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
-from .weights import DEFAULT_MODEL, load_checkpoint
+from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
 LLAMA3_VOCAB_SIZE = 128256      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
@@ -52,21 +52,26 @@ def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> Re
 
 
 def make_tokenizer(ckpt):
-    """Llama 3 vocabularies use pagedlab's own Llama 3 tokenizer; other checkpoints their own."""
+    """Llama 3 vocabularies use pagedlab's own Llama 3 tokenizer; other checkpoints their own;
+    random weights a byte tokenizer. A checkpoint directory without tokenizer files is an error
+    that says what is missing (pass LLM(tokenizer=...) to bring one)."""
     c = ckpt.config
     if c.vocab_size == LLAMA3_VOCAB_SIZE:
         try:
             return Llama3Tokenizer()
         except FileNotFoundError:
-            if ckpt.tokenizer_dir is None:      # random weights: any tokenizer will do
+            if ckpt.tokenizer_dir is None and ckpt.source.startswith("random"):
                 import warnings
                 warnings.warn("llama-models is not installed: random Llama 3 weights get a byte "
                               "tokenizer (pip install --no-deps llama-models for the real one)")
                 return ByteTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids)
+            raise
     if ckpt.gguf_file:
         return HFTokenizer(ckpt.tokenizer_dir, gguf_file=ckpt.gguf_file)
     if ckpt.tokenizer_dir:
         return HFTokenizer(ckpt.tokenizer_dir)
+    if not ckpt.source.startswith("random"):
+        raise ValueError(missing_tokenizer_message(ckpt.source))
     return ByteTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids)
 
 
@@ -84,14 +89,17 @@ class LLM:
     """LLM(model="smollm2" | "random:tiny" | path | hub id, device=None, dtype=None, **EngineConfig fields)"""
 
     def __init__(self, model=DEFAULT_MODEL, *, device=None, dtype=None, seed: int = 0,
-                 show_progress: bool = True, checkpoint=None, tokenizer=None, **engine_kwargs):
+                 show_progress: bool = True, checkpoint=None, tokenizer=None,
+                 kernel_options: dict | None = None, **engine_kwargs):
+        """kernel_options: launch settings for the Triton kernels (decode_config, prefill_config,
+        gemv_config, pdl), see kernels.select_kernels; the defaults suit the device."""
         device, dtype = resolve_device_dtype(device, dtype)
         self.checkpoint = ckpt = checkpoint or load_checkpoint(model, seed=seed, show_progress=show_progress)
         self.config = ckpt.config
         self.engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
                                           seed=seed, **engine_kwargs)
         backend = resolve_backend(self.engine_config.attention_backend, device)
-        kernels = select_kernels(backend, self.engine_config.decode_variant)
+        kernels = select_kernels(backend, self.engine_config.decode_variant, **(kernel_options or {}))
         self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, kernels,
                                 max_positions=max_positions(self.engine_config, self.config))
         self.tokenizer = tokenizer or make_tokenizer(ckpt)

@@ -38,6 +38,13 @@ def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[i
     return out
 
 
+def decode_kv_slots(reqs, block_size: int) -> list[int]:
+    """kv_slots of each request's last token (position num_tokens - 1): a decode step's slots, in
+    one comprehension (no call per request: at batch 256 this runs every ~3 ms)."""
+    bs = block_size
+    return [r.blocks[(r.num_tokens - 1) // bs] * bs + (r.num_tokens - 1) % bs for r in reqs]
+
+
 @dataclass
 class Launch:
     """A step on its way: where each request's token is, and how to get the tokens."""
@@ -116,10 +123,9 @@ class ModelRunner:
             if end == r.num_tokens:
                 logit_rows.append(cu[-1] - 1)
         d_lens = [r.num_tokens for r in batch.decode]
-        for r in batch.decode:
-            ids.append(r.last_token_id)
-            pos.append(r.num_tokens - 1)
-            slot_mapping += kv_slots(r.blocks, r.num_tokens - 1, r.num_tokens, bs)
+        ids += [r.last_token_id for r in batch.decode]
+        pos += [n - 1 for n in d_lens]
+        slot_mapping += decode_kv_slots(batch.decode, bs)
         logit_rows += range(cu[-1], cu[-1] + len(batch.decode))
         table = self.block_table.table
         p_slots, d_slots = [r.slot for r in batch.prefill], [r.slot for r in batch.decode]
@@ -143,12 +149,9 @@ class ModelRunner:
     def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
         """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
         step before whose (not yet read) token is this request's input, or -1."""
-        bs, rows = self.block_size, []
-        for r in reqs:
-            n = r.num_tokens
-            rows.append((max(r.last_token_id, 0), n - 1, kv_slots(r.blocks, n - 1, n, bs)[0], n, r.slot,
-                         pending.get(r.request_id, -1)))
-        return rows
+        slots = decode_kv_slots(reqs, self.block_size)
+        return [(max(r.last_token_id, 0), r.num_tokens - 1, s, r.num_tokens, r.slot, pending.get(r.request_id, -1))
+                for r, s in zip(reqs, slots)]
 
     # -- output -----------------------------------------------------------------
     def _sample(self, logits, reqs) -> list[int]:

@@ -94,9 +94,10 @@ class Scheduler:
             return True
         if need > self.allocator.num_free:
             return False
-        start = len(req.blocks)
-        req.blocks += self.allocator.allocate(req.request_id, need)   # owned the moment it is taken
-        self.table_edits += [(req.slot, start + i, b) for i, b in enumerate(req.blocks[start:])]
+        blocks = self.allocator.allocate(req.request_id, need)
+        for b in blocks:       # plain statements, no calls: an interrupt cannot land in between
+            self.table_edits.append((req.slot, len(req.blocks), b))
+            req.blocks.append(b)
         return True
 
     def _release(self, req: Request) -> None:
@@ -172,12 +173,15 @@ class Scheduler:
                 break                  # fits a later step whole: wait (measured faster than splitting)
             if blocks_needed(req.num_tokens, self.block_size) > self.allocator.num_free:
                 break                  # wait for running requests to free blocks
-            self.waiting.popleft()
+            blocks = self.allocator.allocate(req.request_id, blocks_needed(req.num_tokens, self.block_size))
+            self.waiting.popleft()             # (from here on no call can be interrupted half-way)
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
             self.admitted.append(req)
             req.status = RequestStatus.RUNNING
-            self._grow(req, req.num_tokens)
+            for b in blocks:
+                self.table_edits.append((req.slot, len(req.blocks), b))
+                req.blocks.append(b)
             req.num_scheduled = min(need, budget)
             budget -= req.num_scheduled
             step.prefill.append(req)

@@ -150,3 +150,19 @@ def test_triton_graphs_vs_torch_eager_vs_triton_eager(ckpt, hf_fp32, prompts, bf
     # weights near-ties are common, and every divergence is checked above to be one.
     compare_greedy("triton graphs vs triton eager", prompts, outs["triton+graphs"], outs["triton eager"], hf_fp32, bf16_tol)
     compare_greedy("triton graphs vs torch eager", prompts, outs["triton+graphs"], outs["torch eager"], hf_fp32, bf16_tol)
+
+
+def test_fp16_triton_graphs_greedy(ckpt, hf_fp32, prompts, bf16_tol):
+    """fp16, the dtype a T4 gets (no bf16 below compute capability 8.0), end to end: Triton kernels
+    + CUDA graphs + overlap; every token is the fp32 reference's argmax or a near-tie."""
+    from pagedlab import LLM, SamplingParams
+    llm = LLM(checkpoint=ckpt, device="cuda", dtype="float16", max_num_seqs=4, num_blocks=2048,
+              show_progress=False)
+    assert llm.engine.overlap and llm.engine.runner.graphs is not None
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    total = 0
+    for ids, o in zip(prompts, outs):
+        exact, ties = greedy_agrees(ids, o.token_ids, hf_fp32, tol=bf16_tol)
+        total += exact
+        print(f"fp16 prompt {len(ids):3d}: argmax of the fp32 reference at {exact}/{NEW_TOKENS} (near-ties {ties})")
+    assert total >= 0.9 * NEW_TOKENS * len(prompts)

@@ -38,11 +38,13 @@ def check_invariants(engine):
     owned = [b for r in s.admitted for b in r.blocks]
     assert len(owned) == len(set(owned)), "a block owned twice"
     assert len(owned) == s.allocator.num_used, "a block leaked"
+    table = engine.runner.block_table.table.tolist()
+    for slot, i, b in s.table_edits:      # edits not yet written (a step was interrupted)
+        table[slot][i] = b
     for r in s.admitted:
         assert s.slots[r.slot] is r
         assert len(r.blocks) * s.block_size >= r.num_computed
-        row = engine.runner.block_table.table[r.slot, :len(r.blocks)].tolist()
-        assert row == r.blocks, "device block table out of date"
+        assert table[r.slot][:len(r.blocks)] == r.blocks, "device block table out of date"
     assert sum(x is not None for x in s.slots) == len(s.admitted)
 
 
