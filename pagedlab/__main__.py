@@ -13,7 +13,7 @@ import sys
 
 from .bench import BENCHMARKS
 
-DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
+from .course import DEMO_PROMPTS
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 SEED_LIMIT = 2 ** 63                                   # seeds are int64 on the device
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",

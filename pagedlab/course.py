@@ -6,6 +6,10 @@ import importlib.util
 import os
 import random
 
+# The original engine's four prompts (its demo hard-codes their Llama 3 chat ids): the demo's, the
+# tests' and notebook 00's.
+DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
+
 
 def is_small() -> bool:
     """PAGEDLAB_SMALL=1 (CI, quick runs): tiny model, tiny workloads."""

@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
+from pagedlab.course import DEMO_PROMPTS  # noqa: E402,F401  (the tests import it from here)
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedlab.course import DEMO_PROMPTS
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CHAT_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?",
-                "Write one sentence about the sea.", "List three fruits.", "What is a GPU?",
-                "Translate 'good morning' into French."]
+CHAT_PROMPTS = DEMO_PROMPTS + ["Write one sentence about the sea.", "List three fruits.", "What is a GPU?",
+                               "Translate 'good morning' into French."]
 NEW_TOKENS = 64
 
 
