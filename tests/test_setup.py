@@ -44,3 +44,23 @@ def test_ci_runs_the_readme_test_command():
     assert block, "README lacks the marked test command"
     assert "pytest" in block.group(1)
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_file_table_matches_the_package():
+    """Every module and subpackage of pagedlab has a row in the README's "What is inside" table,
+    and every path the table names exists."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## What is inside"):readme.index("## How it is checked")]
+    named = set(re.findall(r"`([\w/.]+\.py|[\w/]+/)`", table))
+    paths = set()
+    for name in named:                                   # `viz.py`, `figures.py` share a row
+        paths.add(name if name.startswith(("pagedlab/", "scripts/")) else f"pagedlab/{name}")
+    for p in paths:
+        assert (ROOT / p).exists(), f"README names {p}, which does not exist"
+    pkg = ROOT / "pagedlab"
+    for f in sorted(pkg.iterdir()):
+        if f.name in ("__init__.py", "__main__.py", "__pycache__"):
+            continue
+        rel = f"pagedlab/{f.name}" + ("/" if f.is_dir() else "")
+        if f.suffix == ".py" or f.is_dir():
+            assert rel in paths, f"{rel} has no row in the README's file table"
