@@ -53,8 +53,8 @@ def llama3_tokenizer_file() -> Path:
 STOP_EOS = "tokenizer eos"
 STOP_END_OF_TURN = "chat template end of turn"
 
-# Plain-text stand-ins rendered through a chat template: letters only (a template that strips, trims
-# or re-cases whitespace leaves them alone), and no special token can be spelled by them.
+# Plain-text stand-ins rendered through a chat template: lower-case letters only (a template that
+# strips or trims content leaves them alone), and no special token can be spelled by them.
 _PROBE_USER = "pagedlabprobeuserturn"
 _PROBE_ASSISTANT = "pagedlabprobeassistantturn"
 
