@@ -64,3 +64,18 @@ def test_readme_file_table_matches_the_package():
         rel = f"pagedlab/{f.name}" + ("/" if f.is_dir() else "")
         if f.suffix == ".py" or f.is_dir():
             assert rel in paths, f"{rel} has no row in the README's file table"
+
+
+def test_ci_tests_the_declared_transformers_floor():
+    """The README's test command reruns the tokenizer and SmolLM2 tests at exactly the transformers
+    version pyproject.toml declares as its floor (a floor that is tested, not hoped for)."""
+    floor = next(d for d in pyproject()["project"]["dependencies"] if d.startswith("transformers"))
+    floor = floor.split(">=")[1]
+    readme = (ROOT / "README.md").read_text()
+    cmd = re.search(r"<!-- test-command -->\n```bash\n(.+?)\n```", readme, re.S).group(1)
+    pinned = re.search(r'transformers==([\d.]+)"? && python -m pytest -q ([^&]+)$', cmd)
+    assert pinned, "the test command does not rerun tests at a pinned transformers"
+    from packaging.version import Version
+    assert Version(pinned.group(1)) == Version(floor), (pinned.group(1), floor)
+    for t in ("tests/test_tokenizer.py", "tests/test_smollm2.py"):
+        assert t in pinned.group(2)
