@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)      # a request is itself: compared by identity (list.remove, `in`)
 class Request:
     request_id: int
     prompt_token_ids: list[int]
