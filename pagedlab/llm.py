@@ -94,7 +94,9 @@ class LLM:
         """kernel_options: launch settings for the Triton kernels (decode_config, prefill_config,
         gemv_config, pdl), see kernels.select_kernels; the defaults suit the device."""
         device, dtype = resolve_device_dtype(device, dtype)
-        self.checkpoint = ckpt = checkpoint or load_checkpoint(model, seed=seed, show_progress=show_progress)
+        # a Checkpoint given by hand is checked like a loaded one (shapes, dtypes, finite values)
+        self.checkpoint = ckpt = checkpoint.validate() if checkpoint is not None else \
+            load_checkpoint(model, seed=seed, show_progress=show_progress)
         self.config = ckpt.config
         self.engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
                                           seed=seed, **engine_kwargs)

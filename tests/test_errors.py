@@ -117,3 +117,11 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error():
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode != 0 and "TRITON_INTERPRET=1" in r.stderr
+
+
+def test_a_checkpoint_given_by_hand_is_validated():
+    from pagedlab import tiny_config
+    ckpt = random_checkpoint(tiny_config(), 0)
+    ckpt.tensors["model.layers.1.mlp.down_proj.weight"] = ckpt.tensors["model.layers.1.mlp.down_proj.weight"].T
+    with pytest.raises(ValueError, match="down_proj.weight has shape"):
+        LLM(checkpoint=ckpt, device="cpu", show_progress=False)
