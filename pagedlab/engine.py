@@ -203,8 +203,8 @@ class Engine:
         try:
             with self.timer("launch"):
                 tokens = self.runner.run(batch)
-        except Exception as error:            # not KeyboardInterrupt: that leaves and is retried
-            self._isolate(batch, error)
+        except Exception:                     # not KeyboardInterrupt: that leaves and is retried
+            self._isolate(batch)
             return batch
         with self.timer("accept"):
             self.scheduler.accept(batch, tokens)
@@ -226,10 +226,10 @@ class Engine:
         try:
             with self.timer("launch"):
                 launch = self.runner.launch(batch, after=ahead)
-        except Exception as error:
+        except Exception:
             while self._unread:
                 self._read_oldest()
-            self._isolate(batch, error)
+            self._isolate(batch)
             return batch
         self.scheduler.advance(batch)            # its tokens are PENDING until read
         self._unread.append((batch, launch))
@@ -252,7 +252,7 @@ class Engine:
             self.scheduler.settle(batch, tokens)
         self._unread.popleft()
 
-    def _isolate(self, batch: Batch, error: Exception) -> None:
+    def _isolate(self, batch: Batch) -> None:
         """A step raised. Run its requests one at a time: a request that raises alone finishes
         with finish_reason "error" and the message; the others go on as if nothing happened."""
         for part in self.scheduler.split(batch):
