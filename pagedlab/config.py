@@ -321,7 +321,6 @@ POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
 # pagedlab.kernels.decode_attention.VARIANTS + ("auto",) (not imported here: that module needs Triton)
 DECODE_VARIANTS = ("naive", "blocked", "gqa", "split_kv", "auto")
-CUDA_GRAPH_MODES = (True, False, "eager")
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "fp16": "float16", "half": "float16",

@@ -467,11 +467,6 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ..
     return shapes
 
 
-def expected_weight_names(config: ModelConfig) -> list[str]:
-    """Every tensor a Llama checkpoint of this config must hold (HF names)."""
-    return list(expected_weight_shapes(config))
-
-
 def _all_finite(t: torch.Tensor) -> bool:
     # One reduction, no [numel] mask: a finite sum means no NaN/inf went in (either would make it
     # NaN or inf). Only a sum that overflowed with finite inputs needs the element-wise check.
