@@ -167,5 +167,39 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids]
 
+    def stream(self, prompt, params: SamplingParams | None = None, chat: bool = False):
+        """Generate one prompt and yield a StreamDelta (new text and token ids) after every step that
+        added tokens; the last one has finished=True, the finish_reason and the RequestOutput.
+        Text is detokenized incrementally and never splits a character. Closing the generator
+        early (break, an exception, Ctrl-C) aborts the request; requests that others added and
+        that finish meanwhile are handed back to the engine."""
+        from .request import PENDING
+        from .streaming import IncrementalDetokenizer, StreamDelta
+        eng = self.engine
+        rid = eng.add_checked(*eng.check_request(prompt, params, chat=chat))
+        req = eng.scheduler.requests[rid]
+        detok, sent, others, done = IncrementalDetokenizer(self.tokenizer), 0, [], False
+        try:
+            while not done:
+                finished = eng.step()
+                done = req in finished
+                others += [r for r in finished if r is not req]
+                ids = req.output_token_ids
+                n = len(ids)
+                while n and ids[n - 1] == PENDING:        # launched, not read yet (overlap)
+                    n -= 1
+                if n > sent or done:
+                    text = detok.feed(ids[:n], final=done)
+                    delta = StreamDelta(rid, text, ids[sent:n])
+                    sent = n
+                    if done:
+                        delta.finished, delta.finish_reason, delta.output = True, req.finish_reason, self.output(req)
+                    yield delta
+        finally:
+            if not done:
+                eng.abort(rid)
+                eng.scheduler.finished = [r for r in eng.scheduler.finished if r is not req]
+            eng.scheduler.finished[:0] = others
+
     def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:
         return self.generate(prompts, params, chat=True, **kw)

@@ -1,0 +1,47 @@
+"""Streaming: a request's new text as its tokens arrive, step by step.
+
+Token ids do not split text at character boundaries: a byte-level BPE token can hold half of a
+multi-byte UTF-8 character (an emoji, an accented letter), and decoding it alone gives the
+replacement character U+FFFD. `IncrementalDetokenizer` decodes a short window of recent tokens
+(not the whole output again each step) and holds text back until it is complete, so the deltas it
+gives, joined, are exactly `tokenizer.decode(all tokens)` -- and no delta shows a broken character.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """feed(all token ids so far) -> the new text since the last call (possibly "")."""
+
+    def __init__(self, tokenizer, skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self.prefix = 0        # tokens [prefix, read) were decoded last time as the context ...
+        self.read = 0          # ... and text up to `read` has been handed out
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special=self.skip_special)
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        # Decode the new tokens together with a few before them: some tokenizers' text for a token
+        # depends on its neighbours (leading spaces), so the difference of two decodes is the delta.
+        before = self._decode(ids[self.prefix:self.read])
+        now = self._decode(ids[self.prefix:])
+        if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not final):
+            return ""                   # nothing new, or a character not complete yet: wait
+        delta = now[len(before):]
+        self.prefix, self.read = self.read, len(ids)
+        return delta
+
+
+@dataclass
+class StreamDelta:
+    """What one step added to a streamed request."""
+    request_id: int
+    text: str                                        # new text (may be "" while a character is incomplete)
+    token_ids: list[int] = field(default_factory=list)   # new tokens
+    finished: bool = False
+    finish_reason: str | None = None
+    output: object = None                            # the RequestOutput, with the last delta
