@@ -1,0 +1,125 @@
+"""An asyncio front for the engine: many callers stream at once, one thread steps the engine.
+
+    llm = AsyncLLM(LLM("smollm2"))
+    async for delta in llm.generate("Hi!", SamplingParams(max_tokens=32), chat=True):
+        print(delta.text, end="")
+
+The engine is plain, single-threaded code. AsyncLLM gives it one thread of its own that loops:
+take new requests and aborts from a queue -> engine.step() -> hand each request's new tokens to its
+caller's asyncio queue. Callers never touch the engine. Leaving an `async for` early (break,
+cancellation, a client that went away) aborts the request and frees its blocks at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+
+from .request import PENDING
+from .streaming import IncrementalDetokenizer, StreamDelta
+
+IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
+
+
+class _Stream:
+    """One request as its caller sees it: where its deltas go, and how far it has been sent."""
+
+    def __init__(self, loop, tokenizer):
+        self.loop, self.queue = loop, asyncio.Queue()
+        self.detok, self.sent, self.req = IncrementalDetokenizer(tokenizer), 0, None
+
+    def put(self, item):
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, llm):
+        self.llm, self.engine = llm, llm.engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[int, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pagedlab-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side (any asyncio task) -----------------------------------------
+    async def generate(self, prompt, params=None, chat: bool = False):
+        """Yield StreamDelta's for one prompt; the last has finished=True and the RequestOutput.
+        Bad input raises here, before anything is queued."""
+        if self._stop.is_set():
+            raise RuntimeError("AsyncLLM was shut down")
+        checked = self.engine.check_request(prompt, params, chat=chat)     # read-only: safe here
+        stream = _Stream(asyncio.get_running_loop(), self.llm.tokenizer)
+        self._commands.put(("add", checked, stream))
+        done = False
+        try:
+            while not done:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if not done:
+                self._commands.put(("abort", stream, None))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (unfinished requests are aborted)."""
+        self._stop.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    # -- the engine thread ------------------------------------------------------------
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._take_commands(block=not eng.has_work())
+                if eng.has_work():
+                    eng.step()
+                    self._send()
+        except BaseException as e:          # the engine itself failed: every stream learns it
+            for s in self._streams.values():
+                s.put(RuntimeError(f"the engine stopped: {type(e).__name__}: {e}"))
+            self._streams.clear()
+            self._stop.set()
+            return
+        for rid in list(self._streams):
+            eng.abort(rid)
+        while eng.has_work():
+            eng.step()
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            what, a, b = cmd
+            if what == "add":
+                rid = self.engine.add_checked(*a)
+                b.req = self.engine.scheduler.requests[rid]
+                self._streams[rid] = b
+            elif what == "abort" and a.req is not None and a.req.request_id in self._streams:
+                self.engine.abort(a.req.request_id)
+                del self._streams[a.req.request_id]
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _send(self) -> None:
+        """Each stream's new tokens (read ones only) and text; the finished ones close."""
+        for rid, s in list(self._streams.items()):
+            req, ids = s.req, s.req.output_token_ids
+            n = len(ids)
+            while n and ids[n - 1] == PENDING:
+                n -= 1
+            done = req.finish_reason is not None
+            if n == s.sent and not done:
+                continue
+            delta = StreamDelta(rid, s.detok.feed(ids[:n], final=done), ids[s.sent:n])
+            s.sent = n
+            if done:
+                delta.finished, delta.finish_reason, delta.output = True, req.finish_reason, self.llm.output(req)
+                del self._streams[rid]
+            s.put(delta)

@@ -1,0 +1,84 @@
+"""AsyncLLM: concurrent streams from asyncio tasks equal generate(); a cancelled stream aborts its
+request and frees its blocks while the others go on; bad input raises in the caller."""
+import asyncio
+
+import pytest
+
+from helpers import tiny_llm
+from pagedlab import SamplingParams
+from pagedlab.async_llm import AsyncLLM
+
+
+async def collect(allm, prompt, sp):
+    deltas = [d async for d in allm.generate(prompt, sp)]
+    return deltas
+
+
+def test_concurrent_streams_equal_generate():
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14], [3]]
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in tiny_llm(max_num_seqs=2, num_blocks=64).generate(prompts, sp)]
+    allm = AsyncLLM(tiny_llm(max_num_seqs=2, num_blocks=64))
+
+    async def main():
+        return await asyncio.gather(*(collect(allm, p, sp) for p in prompts))
+    try:
+        got = asyncio.run(main())
+    finally:
+        allm.shutdown()
+    for deltas, w in zip(got, want):
+        assert [t for d in deltas for t in d.token_ids] == w
+        assert deltas[-1].finished and deltas[-1].output.token_ids == w
+    assert not allm._thread.is_alive()
+
+
+def test_cancelled_stream_is_aborted_and_others_finish():
+    llm = tiny_llm(max_num_seqs=2, num_blocks=64)
+    reasons = {}
+    finish = llm.engine.scheduler.finish
+
+    def spy(req, reason, error=None):
+        reasons[req.request_id] = (reason, len(req.output_token_ids))
+        finish(req, reason, error)
+    llm.engine.scheduler.finish = spy
+    allm = AsyncLLM(llm)
+    long = SamplingParams(max_new_tokens=200, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+    async def main():
+        async def first_tokens_then_cancel():
+            async for d in allm.generate([5, 6, 7], long):
+                if d.token_ids:
+                    await asyncio.sleep(3600)          # a client that hangs: we cancel it
+        task = asyncio.create_task(first_tokens_then_cancel())
+        other = await collect(allm, [9, 10], short)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):                            # the engine thread frees its blocks
+            if llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return other
+    try:
+        other = asyncio.run(main())
+    finally:
+        allm.shutdown()
+    assert other[-1].finish_reason == "length" and len(other[-1].output.token_ids) == 8
+    assert llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work()
+    aborted = [n for reason, n in reasons.values() if reason == "abort"]
+    assert len(aborted) == 1 and aborted[0] < 200, reasons
+
+
+def test_bad_input_raises_in_the_caller():
+    allm = AsyncLLM(tiny_llm(max_num_seqs=2, num_blocks=64))
+
+    async def main():
+        with pytest.raises(ValueError, match="element 1"):
+            await collect(allm, [3, 4.5], SamplingParams(max_new_tokens=2))
+        return await collect(allm, [3, 4], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    try:
+        ok = asyncio.run(main())
+    finally:
+        allm.shutdown()
+    assert len(ok[-1].output.token_ids) == 2
