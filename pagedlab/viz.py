@@ -313,7 +313,7 @@ def draw_bars(values: dict, ylabel: str, title: str = "", ax=None, fmt: str = "{
 def draw_pool_usage(trace, ax=None, title: str | None = None):
     """Blocks in use at every step, the pool size as a line, preemptions marked."""
     fig, ax = _new_ax(ax, (8, 2.8))
-    x = list(range(len(trace)))
+    x = [s.step for s in trace.steps]          # absolute step numbers (the trace may have dropped old steps)
     ax.fill_between(x, [s.pool_used for s in trace.steps], step="mid", alpha=0.5, color="#4c72b0",
                     label="blocks in use")
     total = trace.steps[0].pool_total if len(trace) else 0
