@@ -15,18 +15,16 @@ import asyncio
 import queue
 import threading
 
-from .request import PENDING
-from .streaming import IncrementalDetokenizer, StreamDelta
+from .streaming import RequestStream
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
 
 
-class _Stream:
-    """One request as its caller sees it: where its deltas go, and how far it has been sent."""
+class _Caller:
+    """One request's caller: its asyncio loop and queue, and how far it has been streamed."""
 
-    def __init__(self, loop, tokenizer):
-        self.loop, self.queue = loop, asyncio.Queue()
-        self.detok, self.sent, self.req = IncrementalDetokenizer(tokenizer), 0, None
+    def __init__(self, loop):
+        self.loop, self.queue, self.stream = loop, asyncio.Queue(), None
 
     def put(self, item):
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -36,7 +34,7 @@ class AsyncLLM:
     def __init__(self, llm):
         self.llm, self.engine = llm, llm.engine
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, _Caller] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pagedlab-engine", daemon=True)
         self._thread.start()
@@ -48,19 +46,19 @@ class AsyncLLM:
         if self._stop.is_set():
             raise RuntimeError("AsyncLLM was shut down")
         checked = self.engine.check_request(prompt, params, chat=chat)     # read-only: safe here
-        stream = _Stream(asyncio.get_running_loop(), self.llm.tokenizer)
-        self._commands.put(("add", checked, stream))
+        caller = _Caller(asyncio.get_running_loop())
+        self._commands.put(("add", checked, caller))
         done = False
         try:
             while not done:
-                item = await stream.queue.get()
+                item = await caller.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 done = item.finished
                 yield item
         finally:
             if not done:
-                self._commands.put(("abort", stream, None))
+                self._commands.put(("abort", caller, None))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (unfinished requests are aborted)."""
@@ -97,29 +95,22 @@ class AsyncLLM:
             what, a, b = cmd
             if what == "add":
                 rid = self.engine.add_checked(*a)
-                b.req = self.engine.scheduler.requests[rid]
+                b.stream = RequestStream(self.engine.scheduler.requests[rid], self.llm.tokenizer, self.llm.output)
                 self._streams[rid] = b
-            elif what == "abort" and a.req is not None and a.req.request_id in self._streams:
-                self.engine.abort(a.req.request_id)
-                del self._streams[a.req.request_id]
+            elif what == "abort" and a.stream is not None and a.stream.req.request_id in self._streams:
+                self.engine.abort(a.stream.req.request_id)
+                del self._streams[a.stream.req.request_id]
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
 
     def _send(self) -> None:
-        """Each stream's new tokens (read ones only) and text; the finished ones close."""
-        for rid, s in list(self._streams.items()):
-            req, ids = s.req, s.req.output_token_ids
-            n = len(ids)
-            while n and ids[n - 1] == PENDING:
-                n -= 1
-            done = req.finish_reason is not None
-            if n == s.sent and not done:
+        """Each caller's new tokens and text; finished requests close their stream."""
+        for rid, caller in list(self._streams.items()):
+            delta = caller.stream.delta()
+            if delta is None:
                 continue
-            delta = StreamDelta(rid, s.detok.feed(ids[:n], final=done), ids[s.sent:n])
-            s.sent = n
-            if done:
-                delta.finished, delta.finish_reason, delta.output = True, req.finish_reason, self.llm.output(req)
+            if delta.finished:
                 del self._streams[rid]
-            s.put(delta)
+            caller.put(delta)

@@ -173,32 +173,21 @@ class LLM:
         Text is detokenized incrementally and never splits a character. Closing the generator
         early (break, an exception, Ctrl-C) aborts the request; requests that others added and
         that finish meanwhile are handed back to the engine."""
-        from .request import PENDING
-        from .streaming import IncrementalDetokenizer, StreamDelta
+        from .streaming import RequestStream
         eng = self.engine
         rid = eng.add_checked(*eng.check_request(prompt, params, chat=chat))
-        req = eng.scheduler.requests[rid]
-        detok, sent, others, done = IncrementalDetokenizer(self.tokenizer), 0, [], False
+        stream, others = RequestStream(eng.scheduler.requests[rid], self.tokenizer, self.output), []
         try:
-            while not done:
-                finished = eng.step()
-                done = req in finished
-                others += [r for r in finished if r is not req]
-                ids = req.output_token_ids
-                n = len(ids)
-                while n and ids[n - 1] == PENDING:        # launched, not read yet (overlap)
-                    n -= 1
-                if n > sent or done:
-                    text = detok.feed(ids[:n], final=done)
-                    delta = StreamDelta(rid, text, ids[sent:n])
-                    sent = n
-                    if done:
-                        delta.finished, delta.finish_reason, delta.output = True, req.finish_reason, self.output(req)
+            while True:
+                others += [r for r in eng.step() if r is not stream.req]
+                delta = stream.delta()
+                if delta is not None:
                     yield delta
+                    if delta.finished:
+                        return
         finally:
-            if not done:
-                eng.abort(rid)
-                eng.scheduler.finished = [r for r in eng.scheduler.finished if r is not req]
+            eng.abort(rid)                      # a no-op once it has finished
+            eng.scheduler.finished = [r for r in eng.scheduler.finished if r is not stream.req]
             eng.scheduler.finished[:0] = others
 
     def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .request import PENDING
+
 REPLACEMENT = "\ufffd"
 
 
@@ -45,3 +47,26 @@ class StreamDelta:
     finished: bool = False
     finish_reason: str | None = None
     output: object = None                            # the RequestOutput, with the last delta
+
+
+class RequestStream:
+    """How much of one request has been streamed. After each engine step, `delta()` gives what
+    the step added (read tokens only: a PENDING placeholder of the overlap loop waits), or None."""
+
+    def __init__(self, req, tokenizer, make_output):
+        self.req, self.make_output = req, make_output
+        self.detok, self.sent = IncrementalDetokenizer(tokenizer), 0
+
+    def delta(self) -> StreamDelta | None:
+        req, ids = self.req, self.req.output_token_ids
+        n = len(ids)
+        while n and ids[n - 1] == PENDING:
+            n -= 1
+        done = req.finish_reason is not None
+        if n == self.sent and not done:
+            return None
+        delta = StreamDelta(req.request_id, self.detok.feed(ids[:n], final=done), ids[self.sent:n])
+        self.sent = n
+        if done:
+            delta.finished, delta.finish_reason, delta.output = True, req.finish_reason, self.make_output(req)
+        return delta
