@@ -31,8 +31,19 @@ class RequestOutput:
     ttft_s: float                 # time to first token (from add_request)
     itl_s: list[float]            # inter-token latencies
     num_preemptions: int
-    stop_reason: str | None = None   # finish_reason "stop": which token, from which source
+    stop_reason: str | None = None   # finish_reason "stop": which token (from which source) or string
     error: str | None = None         # finish_reason "error": what went wrong
+    num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache (not computed)
+    logprobs: list | None = None     # SamplingParams.logprobs: a TokenLogprob per output token
+    outputs: list | None = None      # SamplingParams.n > 1: every sample's RequestOutput (this is [0])
+
+    @property
+    def usage(self) -> dict:
+        """Token counts as OpenAI's API reports them."""
+        n_out = sum(len(o.token_ids) for o in self.outputs) if self.outputs else len(self.token_ids)
+        return dict(prompt_tokens=len(self.prompt_token_ids), completion_tokens=n_out,
+                    total_tokens=len(self.prompt_token_ids) + n_out,
+                    prompt_tokens_details=dict(cached_tokens=self.num_cached_tokens))
 
 
 def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> RequestOutput:
@@ -48,7 +59,7 @@ def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> Re
         token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
         ttft_s=times[0] - req.arrival_time if times else float("nan"),
         itl_s=[b - a for a, b in zip(times, times[1:])], num_preemptions=req.num_preemptions,
-        stop_reason=stop_reason, error=req.error)
+        stop_reason=stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens)
 
 
 def make_tokenizer(ckpt):

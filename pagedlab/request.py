@@ -35,6 +35,11 @@ class Request:
     num_computed: int = 0                     # tokens whose K/V are in the cache
     num_scheduled: int = 0                    # tokens this step computes (a prefill chunk, or 1)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                # prompt tokens found in the prefix cache, not computed
+    logprobs: list = field(default_factory=list)   # params.logprobs: a TokenLogprob per output token
+    stop_string: str | None = None            # the stop string that stopped it (finish_reason "stop")
+    text_end: int | None = None               # output text ends here (before the stop string)
+    detok: object = None                      # incremental detokenizer of the stop-string check
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
