@@ -100,7 +100,7 @@ class ModelRunner:
             input_ids, positions, meta, rows = self._pack(batch)
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
             replay = None
-        if replay is None or not all(r.params.greedy for r in reqs):
+        if replay is None or not all(r.params.plain_greedy for r in reqs):
             tokens = self._sample(logits, reqs)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch

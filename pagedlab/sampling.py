@@ -18,6 +18,11 @@ _INT32_MAX = 2**31 - 1
 _SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
 _MAX_TEMPERATURE = 1e4
 _DEFAULT_MAX_NEW_TOKENS = 64
+MAX_N = 128                               # samples per prompt
+MAX_LOGPROBS = 20                         # alternatives per token (OpenAI's limit)
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256                     # characters per stop string
+MAX_REPETITION_PENALTY = 10.0
 
 
 class _Unset:
@@ -93,6 +98,21 @@ class SamplingParams:
     stop_token_ids  a list, tuple, set or frozenset of integer token ids, 0 .. 2**31-1; stored as
                     a tuple (a set's ids sorted).
     ignore_eos      a bool.
+    min_p           finite number in [0, 1] (0 = off): drop tokens whose probability is below
+                    min_p times the most likely token's.
+    presence_penalty, frequency_penalty
+                    finite numbers in [-2, 2] (OpenAI's): subtracted from the logit of every token
+                    already in the output, once (presence) or once per occurrence (frequency).
+    repetition_penalty
+                    finite number in (0, 10] (1 = off; transformers' / vLLM's): the logit of every
+                    token in the prompt or the output is divided by it if positive, multiplied if not.
+    stop            a string or a list/tuple of up to 16 non-empty strings: the request stops when its
+                    text contains one; the returned text ends before it. Stored as a tuple.
+    n               integer, 1 .. 128: samples per prompt. LLM.generate and the server expand it into
+                    n requests (seeds seed, seed+1, ... when a seed is given); the engine takes n = 1.
+    logprobs        None (off) or an integer 0 .. 20: return the chosen token's log-probability and
+                    that many most likely alternatives, for every output token (of the model's raw
+                    distribution, before temperature and penalties).
     Booleans are refused wherever a number is expected.
     """
     max_new_tokens: int = _UNSET      # type: ignore[assignment] -- 64 unless max_tokens is given
@@ -102,6 +122,13 @@ class SamplingParams:
     seed: int | None = None           # None -> drawn from the engine's seed
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0                # 0 -> off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0   # 1 -> off
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None       # None -> off
     max_tokens: InitVar[int | None] = None   # alias of max_new_tokens (init only)
 
     def __post_init__(self, max_tokens):
@@ -126,10 +153,47 @@ class SamplingParams:
         put(self, "stop_token_ids", _check_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             _bad(f"ignore_eos must be a bool (True or False), got {_show(self.ignore_eos)}")
+        put(self, "min_p", _check_real("min_p", self.min_p, 0.0, 1.0, "a finite number in [0, 1] (0 = off)"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(self, name, _check_real(name, getattr(self, name), -2.0, 2.0, "a finite number in [-2, 2]"))
+        put(self, "repetition_penalty", _check_real("repetition_penalty", self.repetition_penalty, 0.0,
+                                                    MAX_REPETITION_PENALTY, "a finite number in (0, 10] (1 = off)",
+                                                    lo_open=True))
+        put(self, "stop", _check_stop_strings(self.stop))
+        put(self, "n", _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]"))
+        if self.logprobs is not None:
+            put(self, "logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
+                                             f"in [0, {MAX_LOGPROBS}] or None"))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """The next token is the argmax of the raw logits and nothing else is read from them (no
+        penalties, no logprobs): what a CUDA graph can choose on its own and the overlap loop can
+        run ahead of."""
+        return self.temperature == 0 and not self.has_penalties and self.logprobs is None
+
+
+def _check_stop_strings(stop) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not isinstance(stop, (list, tuple)):
+        _bad(f"stop must be a string or a list of strings, got {_show(stop)}")
+    if len(stop) > MAX_STOP_STRINGS:
+        _bad(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            _bad(f"stop[{i}] must be a non-empty string, got {_show(s)}")
+        if len(s) > MAX_STOP_LENGTH:
+            _bad(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_LENGTH}")
+    return tuple(stop)
 
 
 def _check_stop_ids(ids) -> tuple[int, ...]:

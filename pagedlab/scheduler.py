@@ -46,6 +46,7 @@ class Batch:
     # re-sent by every batch until one that carried them has run (writing twice is harmless)
     table_edits: list[tuple[int, int, int]] = field(default_factory=list)
     out_index: list[int] = field(default_factory=list)       # where each sampled token goes (advance)
+    logprobs: list | None = None        # the runner's TokenLogprob per sampled row (None: nobody asked)
     view: dict | None = None                                 # slots, blocks, queue as they ran (trace)
 
     @property
@@ -64,6 +65,7 @@ class Scheduler:
         self.policy = policy
         self.stop_token_ids = dict(stop_token_ids or {})   # token id -> where it comes from (EOS)
         self.record_views = record_views
+        self.stop_strings = None      # stop_strings.StopStrings: stop strings need the tokenizer (engine)
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
@@ -214,12 +216,14 @@ class Scheduler:
         """Each token in place of its placeholder; requests that are done stop. Safe to call again
         for the same batch if it was interrupted (what is done stays done)."""
         now = time.perf_counter()
-        for r, i, tok in zip(batch.sampled, batch.out_index, tokens):
+        for row, (r, i, tok) in enumerate(zip(batch.sampled, batch.out_index, tokens)):
             if r.status is RequestStatus.FINISHED:
                 continue                    # stopped (or aborted) before: this row ran in vain
             if r.output_token_ids[i] == PENDING:
                 r.output_token_ids[i] = tok
                 r.token_times.append(now)
+                if r.params.logprobs is not None and batch.logprobs is not None:
+                    r.logprobs.append(batch.logprobs[row])
             reason = self.stop_reason(r, i)
             if reason:
                 del r.output_token_ids[i + 1:]   # launched after the stop: never part of the output
@@ -238,6 +242,8 @@ class Scheduler:
         if (tok in self.stop_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             r.stop_token_id = tok
             return "stop"
+        if p.stop and self.stop_strings is not None and self.stop_strings.check(r, i):
+            return "stop"             # the text now holds one of the request's stop strings
         if i + 1 >= p.max_new_tokens or len(r.prompt_token_ids) + i + 1 >= self.max_model_len:
             return "length"
         return None
@@ -251,7 +257,7 @@ class Scheduler:
         need = 0
         for r in self.admitted:
             p, n = r.params, r.num_tokens
-            if (not p.greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
+            if (not p.plain_greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
                     or n >= self.max_model_len):
                 return False
             need += blocks_needed(n, self.block_size) - len(r.blocks)
