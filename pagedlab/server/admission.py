@@ -1,0 +1,60 @@
+"""Admission control: a bounded queue in front of the engine.
+
+The engine runs at most `slots` sequences at once (EngineConfig.max_num_seqs); the others wait in
+its queue. A queue without a bound lets a burst of requests pile up until every one of them waits
+longer than any client would -- the server is then busy answering requests nobody is still waiting
+for. So the server admits at most `slots + max_waiting` streams at a time (a request with n samples
+is n streams) and answers the next one at once with 503 and a Retry-After header: come back later,
+or try another replica. A load balancer or a client with retries turns that into back-pressure.
+
+The count is the server's own, changed on the event loop only (no lock needed, no race with the
+engine thread): `admit` counts a request in before anything is queued, and its ticket's `release`
+counts it out when its response is over, however it ended (done, error, client gone).
+"""
+from __future__ import annotations
+
+from .protocol import OpenAIError
+
+RETRY_AFTER_S = 1
+
+
+class Ticket:
+    """One admitted request's place; release() is idempotent (safe from several cleanup paths)."""
+
+    def __init__(self, gate: "AdmissionGate", n: int):
+        self.gate, self.n = gate, n
+
+    def release(self) -> None:
+        if self.n:
+            self.gate.in_flight -= self.n
+            self.n = 0
+
+
+class AdmissionGate:
+    def __init__(self, slots: int, max_waiting: int):
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
+        self.slots, self.max_waiting = slots, max_waiting
+        self.in_flight = 0                  # streams admitted and not finished
+
+    @property
+    def capacity(self) -> int:
+        return self.slots + self.max_waiting
+
+    @property
+    def waiting(self) -> int:
+        """Streams admitted beyond the slots: they wait in the engine's queue."""
+        return max(0, self.in_flight - self.slots)
+
+    def admit(self, n: int = 1) -> Ticket:
+        """A ticket for n streams, or OpenAIError 503 when the queue would hold more than max_waiting."""
+        if n > self.capacity:
+            raise OpenAIError(f"this request needs {n} streams (prompts x n) but the server runs at most "
+                              f"{self.capacity} at once ({self.slots} slots + {self.max_waiting} waiting)",
+                              param="n")
+        if self.in_flight + n > self.capacity:
+            raise OpenAIError(f"the server is busy: {self.waiting} requests are waiting (at most "
+                              f"{self.max_waiting}); retry after {RETRY_AFTER_S} s", status=503,
+                              type="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.in_flight += n
+        return Ticket(self, n)

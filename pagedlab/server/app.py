@@ -1,0 +1,278 @@
+"""The HTTP server: OpenAI's API in front of an AsyncLLM.
+
+    app = build_app(AsyncLLM(LLM("smollm2")), model_name="smollm2")
+    uvicorn.run(app, port=8000)               # or pagedlab.server.serve(...)
+
+One request's path through it:
+
+    POST /v1/chat/completions
+      -> protocol.parse_chat: the JSON body -> token ids (chat template) + SamplingParams   (else 400)
+      -> engine.check_request: fits this engine? (prompt length, vocabulary)                (else 400)
+      -> admission.admit: room in the queue?                                    (else 503 + Retry-After)
+      -> AsyncLLM.generate, one stream per sample (n), merged into one sequence of (choice, delta)
+      -> stream: server-sent events, chunk by chunk, as tokens arrive  /  or: one JSON at the end
+
+The engine runs on AsyncLLM's thread; here everything runs on the asyncio event loop, so thousands of
+open connections cost no threads. A client that goes away is noticed (its connection's disconnect
+message) and its streams are cancelled, which aborts their requests and frees their KV blocks at the
+next engine step -- a server must not keep generating for nobody. Nothing a client sends reaches the
+engine unchecked, and an error in one request (finish_reason "error") is that request's 500 alone.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .admission import AdmissionGate
+from .metrics import ServerMetrics
+from .protocol import OpenAIError, ParsedRequest, parse_chat, parse_completion, read_body
+from .responses import (SSE_DONE, Envelope, chat_logprobs, chat_response, chunk, completion_logprobs,
+                        completion_response, sse, usage_chunk)
+
+DEFAULT_MAX_WAITING = 256             # requests queued beyond the slots before 503
+
+
+# -- many streams as one ---------------------------------------------------------------------------
+
+async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float):
+    """Run every (choice index, token ids, params) job as its own AsyncLLM stream and yield
+    (index, delta) as deltas arrive from any of them. Closing this generator (the client went away)
+    cancels every stream still running: AsyncLLM aborts their requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done: set[int] = set()
+
+    async def pump(index, ids, params):
+        try:
+            first = True
+            async for delta in allm.generate(ids, params):
+                if first and delta.token_ids:
+                    metrics.on_first_token(time.perf_counter() - arrival)
+                    first = False
+                metrics.on_tokens(len(delta.token_ids))
+                queue.put_nowait((index, delta, None))
+        except Exception as e:        # noqa: BLE001 -- handed to the consumer
+            queue.put_nowait((index, None, e))
+
+    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
+    try:
+        while len(done) < len(tasks):
+            index, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            if delta.finished:
+                done.add(index)
+                metrics.on_finish(delta.output)
+            yield index, delta
+    finally:
+        for t in tasks:
+            t.cancel()                # a no-op on finished ones; the others abort their request
+        for index, _, _ in jobs:
+            if index not in done:
+                metrics.finished.labels("abort").inc()
+
+
+def engine_error(output) -> OpenAIError:
+    if output.finish_reason == "abort":
+        return OpenAIError("the request was aborted (the server is shutting down)", status=503,
+                           type="server_error")
+    return OpenAIError(f"the engine failed on this request: {output.error}", status=500, type="server_error")
+
+
+# -- responses that stop their streams when the client goes ------------------------------------------
+
+class EventStream(StreamingResponse):
+    """Server-sent events that end cleanly whatever happens: the client reading to the end, the
+    client disconnecting (noticed at once, even while the request waits in the queue and nothing is
+    being sent), or the server shutting down. In every case the event generator is closed (its
+    engine streams are cancelled) and `on_close` runs (the admission ticket is given back)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    with contextlib.suppress(OSError):      # the client went away mid-send
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                async def watch():
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            self.on_close()
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work` (a coroutine) unless the client disconnects first: then cancel it, return None."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()                 # its streams are cancelled: their requests aborted
+            await asyncio.wait({task})
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+# -- the app -------------------------------------------------------------------------------------
+
+def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+    """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
+    made it shuts it down (pagedlab.server.serve does)."""
+    engine, tokenizer = async_llm.engine, async_llm.llm.tokenizer
+    app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine")
+    metrics = ServerMetrics(engine)
+    gate = AdmissionGate(engine.config.max_num_seqs, max_waiting)
+    app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
+    app.state.model_name = model_name
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request, e: OpenAIError):
+        if e.status == 503:
+            metrics.rejected.inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):           # 404 / 405 in OpenAI's shape too
+        return JSONResponse(OpenAIError(str(e.detail), status=e.status_code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, e):           # a bug: this request's 500, the server goes on
+        return JSONResponse(OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500,
+                                        type="server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        thread = getattr(async_llm, "_thread", None)
+        alive = thread is None or thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "pagedlab", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = read_body(await request.body())
+        return await answer(request, parse_completion(body, model_name, tokenizer))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = read_body(await request.body())
+        return await answer(request, parse_chat(body, model_name, tokenizer, engine.max_model_len))
+
+    async def answer(request: Request, req: ParsedRequest):
+        arrival = time.perf_counter()
+        jobs = []
+        for p, ids in enumerate(req.prompts):
+            try:                                  # read-only: fits this engine? (length, vocabulary)
+                engine.check_request(ids, req.stream_params(0))
+            except (ValueError, TypeError) as e:
+                raise OpenAIError(str(e), param="messages" if req.kind == "chat" else "prompt") from None
+            jobs += [(p * req.n + i, ids, req.stream_params(i)) for i in range(req.n)]
+        ticket = gate.admit(len(jobs))
+        env = Envelope(req.kind, model_name)
+        if req.logprobs is None:
+            def logprobs_of(o, offset=0):
+                return None
+        elif req.kind == "chat":
+            def logprobs_of(o, offset=0):
+                return chat_logprobs(getattr(o, "logprobs", None) or [], tokenizer)
+        else:
+            def logprobs_of(o, offset=0):
+                return completion_logprobs(getattr(o, "logprobs", None) or [], tokenizer, offset)
+        prompt_lengths = [len(ids) for ids in req.prompts]
+        streams = merged_streams(async_llm, jobs, metrics, arrival)
+        if req.stream:
+            return EventStream(events(req, env, streams, prompt_lengths, logprobs_of, len(jobs)),
+                               on_close=ticket.release)
+        try:
+            outputs = await until_disconnect(request, collect(streams, len(jobs)))
+        finally:
+            ticket.release()
+            await streams.aclose()
+        if outputs is None:                       # the client is gone: nobody to answer
+            return Response(status_code=499)
+        for o in outputs:
+            if o.finish_reason in ("error", "abort"):
+                raise engine_error(o)
+        make = chat_response if req.kind == "chat" else completion_response
+        return make(env, outputs, prompt_lengths, logprobs_of)
+
+    return app
+
+
+async def collect(streams, count: int) -> list:
+    outputs = [None] * count
+    async for index, delta in streams:
+        if delta.finished:
+            outputs[index] = delta.output
+    return outputs
+
+
+async def events(req: ParsedRequest, env: Envelope, streams, prompt_lengths, logprobs_of, count: int):
+    """The server-sent events of one request: chunks as deltas arrive, then usage, then [DONE]."""
+    usage = req.include_usage
+    outputs = [None] * count
+    offsets = [0] * count                     # text streamed so far per choice (completion logprobs)
+    try:
+        if req.kind == "chat":
+            for i in range(count):
+                yield sse(chunk(env, i, None, first=True, include_usage=usage))
+        async for i, delta in streams:
+            new_logprobs = getattr(delta, "logprobs", None) if req.logprobs is not None else None
+            if delta.text or new_logprobs:
+                lp = None
+                if new_logprobs:
+                    lp = logprobs_of(_Piece(new_logprobs), offsets[i])
+                yield sse(chunk(env, i, delta.text, logprobs=lp, include_usage=usage))
+                offsets[i] += len(delta.text)
+            if delta.finished:
+                outputs[i] = out = delta.output
+                if out.finish_reason in ("error", "abort"):
+                    yield sse(engine_error(out).body())
+                    yield SSE_DONE
+                    return
+                yield sse(chunk(env, i, None, finish_reason=out.finish_reason, include_usage=usage))
+        if usage:
+            yield sse(usage_chunk(env, prompt_lengths, outputs))
+        yield SSE_DONE
+    except RuntimeError as e:                 # the engine thread stopped under us
+        yield sse(OpenAIError(str(e), status=500, type="server_error").body())
+        yield SSE_DONE
+    finally:
+        await streams.aclose()
+
+
+class _Piece:
+    """A stream delta's logprobs, in the shape logprobs_of reads (an output with .logprobs)."""
+
+    def __init__(self, logprobs):
+        self.logprobs = logprobs

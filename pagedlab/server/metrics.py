@@ -1,0 +1,83 @@
+"""What the server exposes at /metrics, in Prometheus' text format.
+
+Three kinds of numbers, each a prometheus_client object on the app's own CollectorRegistry (two
+apps in one process -- two test servers -- never share or double-count a metric):
+
+- gauges read at scrape time from the engine: requests running and waiting, KV blocks used and total.
+  Nothing is copied: each gauge is a function of `engine.scheduler`, read when Prometheus asks.
+- counters that only grow: tokens generated and prompted, requests finished by finish_reason,
+  preemptions, requests refused with 503. A rate is the counter's slope: tokens/s is
+  `rate(pagedlab_generation_tokens_total[1m])` in PromQL.
+- histograms of latency: time to first token (from the HTTP request's arrival) and the time between
+  tokens (inter-token latency, from the engine's per-token times).
+
+The prefix cache (#14) is measured here too: prompt tokens taken from the cache, out of all prompt
+tokens (`pagedlab_prefix_cache_hit_tokens_total / pagedlab_prompt_tokens_total` is the hit rate), and
+a gauge of the allocator's own hit rate when its allocator keeps one (see PREFIX_CACHE_HIT_RATE).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds; TTFT spans a fast GPU (ms) to a loaded CPU (many s), ITL a GPU step to a CPU step
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# the allocator attribute a prefix-caching allocator may keep (a fraction in [0, 1])
+PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = reg = CollectorRegistry()
+        sched = engine.scheduler
+        alloc = sched.allocator
+        Gauge("pagedlab_requests_running", "requests in a slot (prefilling or decoding)",
+              registry=reg).set_function(lambda: len(sched.admitted))
+        Gauge("pagedlab_requests_waiting", "requests in the engine's queue (new and preempted)",
+              registry=reg).set_function(lambda: len(sched.waiting))
+        Gauge("pagedlab_kv_blocks_used", "KV cache blocks in use", registry=reg).set_function(
+            lambda: alloc.num_used)
+        Gauge("pagedlab_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
+            lambda: alloc.num_blocks)
+        if hasattr(alloc, PREFIX_CACHE_HIT_RATE):
+            Gauge("pagedlab_prefix_cache_hit_rate", "the allocator's prefix cache hit rate",
+                  registry=reg).set_function(lambda: float(getattr(alloc, PREFIX_CACHE_HIT_RATE)))
+        self.generation_tokens = Counter("pagedlab_generation_tokens", "tokens generated", registry=reg)
+        self.prompt_tokens = Counter("pagedlab_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=reg)
+        self.prefix_cache_hit_tokens = Counter(
+            "pagedlab_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", registry=reg)
+        self.preemptions = Counter("pagedlab_preemptions", "preemptions of finished requests",
+                                   registry=reg)
+        self.finished = Counter("pagedlab_requests_finished", "requests finished, by finish_reason",
+                                ["finish_reason"], registry=reg)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)           # every reason shows, at 0, from the start
+        self.rejected = Counter("pagedlab_requests_rejected", "requests refused: the queue was full (503)",
+                                registry=reg)
+        self.ttft = Histogram("pagedlab_time_to_first_token_seconds",
+                              "HTTP request arrival to its first token", buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("pagedlab_inter_token_latency_seconds", "time between two tokens of a request",
+                             buckets=ITL_BUCKETS, registry=reg)
+
+    def on_tokens(self, n: int) -> None:
+        if n:
+            self.generation_tokens.inc(n)
+
+    def on_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def on_finish(self, output) -> None:
+        """A stream's last RequestOutput: its finish reason, prompt, preemptions, token gaps."""
+        self.finished.labels(output.finish_reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.prefix_cache_hit_tokens.inc(getattr(output, "num_cached_tokens", 0) or 0)
+        self.preemptions.inc(output.num_preemptions)
+        for gap in output.itl_s:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

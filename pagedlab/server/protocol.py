@@ -1,0 +1,353 @@
+"""OpenAI's request bodies, read into what the engine takes: prompts and a SamplingParams.
+
+A client sends JSON such as
+
+    {"model": "smollm2", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32,
+     "temperature": 0.7, "stream": true}
+
+and this module turns it into a `ParsedRequest`: the prompts (token ids, the chat template already
+applied), one SamplingParams, how many samples per prompt (`n`) and how to answer (stream or not).
+
+Checking happens in two layers, and every failure is an `OpenAIError` -- HTTP 400 with OpenAI's error
+JSON naming the field, `{"error": {"message", "type", "param", "code"}}`:
+
+1. the *shape* of the body, here: JSON object, known fields, the JSON type of each field
+   (`"max_tokens": "ten"` is refused here, naming max_tokens);
+2. the *values*, by SamplingParams itself: each field is passed straight in, and its ValueError
+   ("SamplingParams: temperature must be ...") becomes the 400 with `param` = that field. So the server
+   never has a second, diverging copy of the rules (`temperature: -1` is refused by SamplingParams).
+
+Fields that SamplingParams does not have (yet) are refused when set to anything but their "off"
+value, so a client never silently gets something other than what it asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+
+from ..sampling import SamplingParams
+
+# -- errors --------------------------------------------------------------------------------------
+
+
+class OpenAIError(Exception):
+    """An error answered as OpenAI does: `status` and `{"error": {message, type, param, code}}`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None, headers=None):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+        self.type, self.code, self.headers = type, code, dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None):
+    raise OpenAIError(message, param=param, code=code)
+
+
+# -- the JSON type of every field ----------------------------------------------------------------
+
+_INT, _NUM, _STR, _BOOL, _OBJ = "an integer", "a number", "a string", "a boolean", "an object"
+
+COMMON_FIELDS = {              # field -> what JSON type it must have (None is always allowed: "unset")
+    "model": _STR, "stream": _BOOL, "stream_options": _OBJ, "max_tokens": _INT, "n": _INT,
+    "temperature": _NUM, "top_p": _NUM, "seed": _INT, "stop": "a string or a list of strings",
+    "presence_penalty": _NUM, "frequency_penalty": _NUM, "user": _STR,
+    # not in OpenAI's API, but in vLLM's (the benchmark clients send them): passed on as they are
+    "top_k": _INT, "min_p": _NUM, "repetition_penalty": _NUM, "ignore_eos": _BOOL,
+    "stop_token_ids": "a list of integers",
+}
+COMPLETION_FIELDS = COMMON_FIELDS | {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "logprobs": _INT, "echo": _BOOL, "best_of": _INT, "suffix": _STR, "logit_bias": _OBJ,
+}
+CHAT_FIELDS = COMMON_FIELDS | {
+    "messages": "a list of messages", "max_completion_tokens": _INT, "logprobs": _BOOL,
+    "top_logprobs": _INT, "logit_bias": _OBJ, "tools": "a list", "tool_choice": "a string or an object",
+    "response_format": _OBJ, "parallel_tool_calls": _BOOL,
+}
+
+# accepted only at their "off" value: what the engine does not do (a different value is a 400)
+OFF_VALUES = {"echo": (False,), "best_of": (1,), "suffix": ("",), "logit_bias": ({},),
+              "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
+              "response_format": ({"type": "text"},)}
+
+# OpenAI name -> SamplingParams field, for fields whose names differ
+RENAMED = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
+
+# the SamplingParams field named in an error -> the request field a client knows
+PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "max_tokens": "max_tokens"}
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0              # OpenAI's default: sampling, unless the client asks for 0
+
+
+def _type_ok(value, want: str) -> bool:
+    if want == _INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if want == _NUM:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want == _STR:
+        return isinstance(value, str)
+    if want == _BOOL:
+        return isinstance(value, bool)
+    if want == _OBJ:
+        return isinstance(value, dict)
+    if want == "a string or a list of strings":
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+    if want == "a list of integers":
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    if want == "a string or an object":
+        return isinstance(value, (str, dict))
+    if want == COMPLETION_FIELDS["prompt"]:
+        return isinstance(value, (str, list))
+    return isinstance(value, list)         # prompt, messages, tools: looked at more closely below
+
+
+def _show(value) -> str:
+    s = json.dumps(value)
+    return s if len(s) <= 60 else s[:57] + "..."
+
+
+def read_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        bad(f"the request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_shape(body: dict, allowed: dict) -> None:
+    """Known fields only, each of its JSON type (null counts as not given)."""
+    for name, value in body.items():
+        if name not in allowed:
+            bad(f"unrecognized request argument: {name}", param=name)
+        if value is not None and not _type_ok(value, allowed[name]):
+            bad(f"{name} must be {allowed[name]}, got {_show(value)}", param=name)
+        if name in OFF_VALUES and value is not None and value not in OFF_VALUES[name]:
+            bad(f"{name}={_show(value)} is not supported by this server", param=name)
+
+
+# -- SamplingParams from the body ----------------------------------------------------------------
+
+def sampling_fields() -> set[str]:
+    """What this SamplingParams takes (its fields, and the init-only alias max_tokens)."""
+    return {f.name for f in dataclasses.fields(SamplingParams)} | {"max_tokens"}
+
+
+def make_params(kwargs: dict, params_of: dict[str, str]) -> SamplingParams:
+    """SamplingParams(**kwargs); its ValueError becomes a 400 naming the request field.
+    params_of: SamplingParams field -> the request field it came from (for the error's param)."""
+    known = sampling_fields()
+    for name in list(kwargs):
+        if name not in known:
+            bad(f"{params_of.get(name, name)} is not supported by this engine (SamplingParams has no "
+                f"field {name!r})", param=params_of.get(name, name))
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as e:
+        m = re.match(r"SamplingParams: (\w+)", str(e))
+        name = m.group(1) if m else None
+        param = params_of.get(name, PARAM_OF_FIELD.get(name, name))
+        raise OpenAIError(str(e), param=param) from None
+
+
+def _sampling_kwargs(body: dict) -> tuple[dict, dict]:
+    """The body's sampling fields as SamplingParams keyword arguments (only those given, and not
+    n/logprobs, which the endpoints handle), and {SamplingParams field: request field}."""
+    kwargs, params_of = {}, {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos"):
+        if body.get(name) is not None:
+            kwargs[name], params_of[name] = body[name], name
+    kwargs.setdefault("temperature", DEFAULT_TEMPERATURE)
+    params_of.setdefault("temperature", "temperature")
+    return kwargs, params_of
+
+
+def _n_samples(body: dict, kwargs: dict, params_of: dict) -> int:
+    """n: checked by SamplingParams when it has the field, else only n = 1 is served."""
+    n = body.get("n")
+    if n is None or n == 1:
+        return 1
+    if "n" not in sampling_fields():
+        bad(f"n={_show(n)}: only n = 1 is supported by this engine yet (SamplingParams has no field "
+            "'n')", param="n")
+    kwargs["n"], params_of["n"] = n, "n"
+    return n                    # SamplingParams checks it (the server then runs n streams)
+
+
+# -- the parsed request --------------------------------------------------------------------------
+
+@dataclass
+class ParsedRequest:
+    """What an endpoint needs: prompts as token ids, the sampling parameters, how to answer."""
+    kind: str                                  # "chat" or "completion"
+    model: str
+    prompts: list[list[int]]                   # token ids, chat template applied
+    params: SamplingParams                     # n=1 per stream (see stream_params)
+    n: int = 1                                 # samples per prompt
+    stream: bool = False
+    include_usage: bool = False                # stream_options.include_usage
+    logprobs: int | None = None                # top alternatives per token (None: no logprobs)
+    texts: list[str | None] = field(default_factory=list)
+
+    def stream_params(self, i: int) -> SamplingParams:
+        """The parameters of sample i of a prompt: n=1 and, with a seed, seed + i (each sample its
+        own random stream, all reproducible)."""
+        if "n" not in sampling_fields():
+            return self.params
+        seed = self.params.seed
+        return dataclasses.replace(self.params, n=1,
+                                   seed=None if seed is None else (seed + i) % 2**63)
+
+
+def _common(body: dict, allowed: dict, served_model: str) -> tuple[str, bool, bool]:
+    check_shape(body, allowed)
+    model = body.get("model")
+    if model is None:
+        bad("you must provide a model parameter", param="model")
+    if model != served_model:
+        bad(f"the model {model!r} does not exist: this server serves {served_model!r}",
+            param="model", code="model_not_found")
+    stream = bool(body.get("stream") or False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            bad("stream_options is only allowed when stream is true", param="stream_options")
+        for k, v in opts.items():
+            if k != "include_usage":
+                bad(f"unrecognized stream option: {k}", param="stream_options")
+            if not isinstance(v, bool):
+                bad(f"stream_options.include_usage must be a boolean, got {_show(v)}", param="stream_options")
+            include_usage = v
+    return model, stream, include_usage
+
+
+def _prompt_token_lists(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """/v1/completions' prompt: a string, a list of strings, token ids or a list of token-id lists."""
+    what = COMPLETION_FIELDS["prompt"]
+    if prompt is None:
+        bad("you must provide a prompt", param="prompt")
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        bad(f"prompt must be {what}, got {_show(prompt)}", param="prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [list(prompt)], [None]
+    ids, texts = [], []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p.strip():
+                bad("prompt is empty: give some text or token ids", param="prompt")
+            ids.append(tokenizer.encode(p, add_bos=True))
+            texts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            ids.append(list(p))
+            texts.append(None)
+        else:
+            bad(f"prompt must be {what}, got an element {_show(p)}", param="prompt")
+    return ids, texts
+
+
+def parse_completion(body: dict, served_model: str, tokenizer) -> ParsedRequest:
+    """A /v1/completions body."""
+    model, stream, include_usage = _common(body, COMPLETION_FIELDS, served_model)
+    prompts, texts = _prompt_token_lists(body.get("prompt"), tokenizer)
+    kwargs, params_of = _sampling_kwargs(body)
+    max_tokens = body.get("max_tokens")
+    kwargs["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    params_of["max_tokens"] = "max_tokens"
+    n = _n_samples(body, kwargs, params_of)
+    logprobs = body.get("logprobs")             # completions: an integer, the number of alternatives
+    if logprobs is not None:
+        kwargs["logprobs"], params_of["logprobs"] = logprobs, "logprobs"
+    params = make_params(kwargs, params_of)
+    return ParsedRequest("completion", model, prompts, params, n, stream, include_usage,
+                         logprobs, texts)
+
+
+# -- chat messages -------------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant")
+
+
+def message_text(content, i: int) -> str:
+    """A message's content: a string, or a list of text parts [{"type": "text", "text": ...}]."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                bad(f"{where}[{j}] must be a text part {{\"type\": \"text\", \"text\": \"...\"}}, got "
+                    f"{_show(part)} (only text is supported)", param=f"messages[{i}].content")
+            extra = set(part) - {"type", "text"}
+            if extra:
+                bad(f"{where}[{j}] has unknown keys {sorted(extra)}", param=f"messages[{i}].content")
+            texts.append(part["text"])
+        return "".join(texts)
+    bad(f"{where} must be a string or a list of text parts, got {_show(content)}",
+        param=f"messages[{i}].content")
+
+
+def check_messages(messages) -> list[dict]:
+    """[{"role": system|user|assistant, "content": ...}, ...] -> the same with content as plain text."""
+    if not isinstance(messages, list) or not messages:
+        bad(f"messages must be a non-empty list of messages, got {_show(messages)}", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            bad(f"messages[{i}] must be an object with role and content, got {_show(m)}", param=f"messages[{i}]")
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            bad(f"messages[{i}] has unknown keys {sorted(extra)}", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(role)}",
+                param=f"messages[{i}].role")
+        if "content" not in m or m["content"] is None:
+            bad(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+        out.append({"role": role, "content": message_text(m["content"], i)})
+    if not any(m["content"].strip() for m in out):
+        bad("messages are all empty: give some text", param="messages")
+    return out
+
+
+def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> ParsedRequest:
+    """A /v1/chat/completions body. The conversation goes through the tokenizer's chat template
+    (tokenizer.chat(messages): every message, ending with the assistant's turn to speak)."""
+    model, stream, include_usage = _common(body, CHAT_FIELDS, served_model)
+    if body.get("messages") is None:
+        bad("you must provide messages", param="messages")
+    messages = check_messages(body["messages"])
+    ids = tokenizer.chat(messages)
+    kwargs, params_of = _sampling_kwargs(body)
+    given = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        bad("max_tokens and max_completion_tokens disagree: give one of them", param="max_completion_tokens")
+    if given:
+        kwargs["max_tokens"], params_of["max_tokens"] = body[given[0]], given[0]
+    else:                       # OpenAI: as long as the context allows
+        kwargs["max_tokens"], params_of["max_tokens"] = max(1, max_model_len - len(ids)), "messages"
+    n = _n_samples(body, kwargs, params_of)
+    logprobs = None
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        bad("top_logprobs needs logprobs: true", param="top_logprobs")
+    if body.get("logprobs"):
+        logprobs = 0 if top is None else top
+        kwargs["logprobs"] = logprobs
+        params_of["logprobs"] = "logprobs" if top is None else "top_logprobs"
+    params = make_params(kwargs, params_of)
+    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, [None])
