@@ -1,4 +1,4 @@
-"""Command line: python -m pagedlab demo | generate | bench kernels|engine|gemv|step
+"""Command line: python -m pagedlab demo | generate | serve | bench kernels|engine|gemv|step|serve
 
 Every argument is checked before the model is loaded (loading takes seconds to a minute): a bad
 one is one line on stderr that names its flag, and exit status 2.
@@ -6,12 +6,13 @@ one is one line on stderr that names its flag, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
 import sys
 
-from .bench import BENCHMARKS
+from .bench import BENCHMARKS, HTTP_BENCHMARKS
 
 from .course import DEMO_PROMPTS
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
@@ -137,10 +138,57 @@ def generate(args) -> None:
         print(o.text.strip())
 
 
+def check_serve_args(args) -> None:
+    """Every argument of serve, before anything is loaded: also that the port is free and that the
+    server's packages are installed (one line each)."""
+    if not args.model.strip():
+        fail("--model must name a model, got an empty string")
+    if args.slots < 1:
+        fail(f"--slots must be >= 1, got {args.slots}")
+    if args.max_waiting < 0:
+        fail(f"--max-waiting must be >= 0 (requests queued beyond the slots before 503), got {args.max_waiting}")
+    if not 0 <= args.port <= 65535:
+        fail(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    if not args.host.strip():
+        fail("--host must be an address such as 127.0.0.1 or 0.0.0.0, got an empty string")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        fail("--served-model-name must not be empty")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        fail(f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        fail(f"serve needs {', '.join(missing)}: pip install 'pagedlab[serve]'")
+    import socket
+    try:
+        with socket.create_server((args.host, args.port)):
+            pass
+    except OSError as e:
+        fail(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})")
+    args.device = check_device(args.device)
+    args.dtype = check_dtype(args.dtype)
+    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        import torch
+        if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
+            fail("--backend triton on CPU runs in Triton's interpreter: set TRITON_INTERPRET=1 "
+                 "in the environment, or use --backend torch or --device cuda")
+
+
+def serve(args) -> None:
+    from .server import serve as run_server
+    kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    llm = _llm(args, **kw)
+    name = args.served_model_name or args.model
+    print(f"serving {name} ({llm.checkpoint.source} on {llm.engine.device}, {args.slots} slots, "
+          f"at most {args.max_waiting} waiting) on http://{args.host}:{args.port}  (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+               background=False, log_level=args.log_level)
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m pagedlab", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,generate,bench}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,generate,serve,bench}")
 
     def common(sp):
         sp.add_argument("--model", default="smollm2",
@@ -164,10 +212,26 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (1 = off)")
     g.add_argument("--seed", type=int, default=None, help="in [0, 2**63)")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    b = sub.add_parser("bench", help="benchmarks (CUDA): " + " | ".join(BENCHMARKS),
-                       description="Benchmarks on a CUDA GPU. The arguments after the name go to "
-                                   "the benchmark: python -m pagedlab bench NAME --help")
-    b.add_argument("what", choices=BENCHMARKS)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
+                                     "/v1/completions, /v1/models, /metrics, /health)")
+    s.add_argument("--model", default="smollm2", help="as for demo/generate")
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients give as 'model' (default: --model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port")
+    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
+    s.add_argument("--slots", type=int, default=8, help="max sequences decoding together (>= 1)")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),
+                       description="Benchmarks: kernels, engine, gemv, step on a CUDA GPU; serve "
+                                   "against any OpenAI-compatible server. The arguments after the "
+                                   "name go to the benchmark: python -m pagedlab bench NAME --help")
+    b.add_argument("what", choices=BENCHMARKS + HTTP_BENCHMARKS)
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 
@@ -178,10 +242,13 @@ def main(argv=None) -> int:
         import importlib
         mod = importlib.import_module(f"pagedlab.bench.{args.what}")
         return mod.main(args.rest) or 0
-    check_args(args)
+    if args.cmd == "serve":
+        check_serve_args(args)
+    else:
+        check_args(args)
     from .weights import GatedModelError, ModelNotFound
     try:
-        (demo if args.cmd == "demo" else generate)(args)
+        {"demo": demo, "generate": generate, "serve": serve}[args.cmd](args)
     except (ModelNotFound, GatedModelError) as e:
         fail(f"--model: {e}")
     except (ValueError, OSError, NotImplementedError) as e:   # OSError: a download, a file

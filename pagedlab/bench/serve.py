@@ -1,0 +1,410 @@
+"""bench serve: an OpenAI-compatible server under load, the way its users see it.
+
+    python -m pagedlab bench serve --url http://127.0.0.1:8000 --rate 1,4,16,inf --num-prompts 200
+
+Offline throughput (bench engine) says how fast the engine empties a queue it was given all at once.
+A server's users arrive one by one, at random: this benchmark sends requests as a Poisson process
+(gaps drawn from an exponential distribution, seeded, so every run sends the same workload at the
+same moments) at each request rate, streams every answer, and measures per request
+
+    TTFT  time to first token: the request's send -> its first streamed text
+    TPOT  time per output token after the first: (latency - TTFT) / (output tokens - 1)
+    ITL   inter-token latency: the gaps between streamed chunks
+
+and per rate: requests/s and output tokens/s achieved, p50/p90/p99 of each latency, and goodput --
+requests/s that met the service-level objective (TTFT and TPOT under --slo-ttft-ms / --slo-tpot-ms).
+As the rate grows the server saturates: throughput flattens while the queue, and TTFT with it, grows.
+The last default rate, inf, sends everything at once, so saturation is always in the picture.
+
+Only OpenAI's HTTP API is used (streaming /v1/completions), so the same command measures pagedlab,
+vLLM, or `transformers serve`. pagedlab-only fields are never sent unless asked: --ignore-eos sends
+`ignore_eos: true` (vLLM and pagedlab honour it: every request generates exactly its output length)
+and gives prompts as random token ids; without it, prompts are random words and answers may stop early.
+Results: <out>/serve_bench.json (with the command, versions, date) and <out>/serve_bench.png.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pagedlab.bench.common import git_commit, out_dir, write_json
+
+DEFAULT_RATES = "1,2,4,8,16,inf"
+WORDS = ("time year people way day man thing woman life child world school state family student "
+         "group country problem hand part place case week company system program question work "
+         "government number night point home water room mother area money story fact month lot "
+         "right study book eye job word business issue side kind head house service friend father "
+         "power hour game line end member law car city community name president team minute idea "
+         "kid body information back parent face others level office door health person art war "
+         "history party result change morning reason research girl guy moment air teacher force "
+         "education river mountain garden window bridge engine paper light music").split()
+TOKEN_ID_RANGE = (100, 500)     # random prompt ids: past the low special tokens, inside any vocabulary
+
+
+def bad(message: str):
+    """One line on stderr, exit status 2 (as the rest of the command line)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+# -- the workload --------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    prompt: object          # a string of words, or a list of token ids (--ignore-eos)
+    input_len: int          # as asked (words or tokens); the server's usage gives the real count
+    output_len: int         # max_tokens
+
+
+def lengths(rng, mean: int, ratio: float, n: int) -> list[int]:
+    """n lengths, uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1."""
+    lo, hi = max(1, round(mean * (1 - ratio))), max(1, round(mean * (1 + ratio)))
+    return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
+
+
+def read_trace(path: str, n: int) -> list[tuple[int, int]]:
+    """(input_len, output_len) per line of a JSON-lines file: {"input_len": 100, "output_len": 50}
+    (also "prompt_len"/"prompt_tokens" and "output_tokens"); its first n lines, cycled if fewer."""
+    pairs = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            a = next(row[k] for k in ("input_len", "prompt_len", "prompt_tokens") if k in row)
+            b = next(row[k] for k in ("output_len", "output_tokens") if k in row)
+        except (json.JSONDecodeError, StopIteration, TypeError) as e:
+            bad(f"--trace {path}: line {i} is not {{\"input_len\": int, \"output_len\": int}} ({e or 'missing key'})")
+        if not (isinstance(a, int) and isinstance(b, int) and a >= 1 and b >= 1):
+            bad(f"--trace {path}: line {i}: lengths must be integers >= 1, got {a!r}, {b!r}")
+        pairs.append((a, b))
+    if not pairs:
+        bad(f"--trace {path}: no lines")
+    return [pairs[i % len(pairs)] for i in range(n)]
+
+
+def make_workload(args) -> list[Job]:
+    rng = np.random.default_rng(args.seed)
+    n = args.num_prompts
+    if args.trace:
+        pairs = read_trace(args.trace, n)
+    else:
+        pairs = list(zip(lengths(rng, args.input_len, args.range_ratio, n),
+                         lengths(rng, args.output_len, args.range_ratio, n)))
+    jobs = []
+    for a, b in pairs:
+        if args.ignore_eos:
+            prompt = [int(t) for t in rng.integers(*TOKEN_ID_RANGE, size=a)]
+        else:
+            prompt = " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), size=a))
+        jobs.append(Job(prompt, a, b))
+    return jobs
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process of `rate` requests/s
+    (exponential gaps; the same seed gives the same gaps, scaled by 1/rate), or all at 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0, size=n) / rate
+    return list(np.cumsum(gaps) - gaps[0])
+
+
+# -- one request ---------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float = float("nan")
+    latency_s: float = float("nan")
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    itl_s: list = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float:
+        if self.output_tokens < 2:
+            return float("nan")
+        return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Result:
+    """One streaming /v1/completions request, timed chunk by chunk."""
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    r = Result()
+    chunks = 0
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                r.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    r.ok = r.error is None and chunks > 0
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    r.error = str(obj["error"].get("message", obj["error"]))
+                    continue
+                if obj.get("usage"):
+                    r.prompt_tokens = obj["usage"].get("prompt_tokens")
+                    r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
+                for choice in obj.get("choices") or []:
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            r.ttft_s = now - t0
+                        else:
+                            r.itl_s.append(now - last)
+                        last, chunks = now, chunks + 1
+    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency_s = last - t0
+    if r.output_tokens == 0:          # a server without usage in streams: one token per chunk
+        r.output_tokens = chunks
+    if not r.ok and r.error is None:
+        r.error = "the stream ended without [DONE]" if chunks else "no text was streamed"
+    return r
+
+
+# -- one rate ------------------------------------------------------------------------------------
+
+def pcts(xs, scale: float = 1e3) -> dict:
+    """mean, p50, p90, p99 (in ms by default) of the finite values of xs."""
+    xs = np.asarray([x for x in xs if math.isfinite(x)], dtype=np.float64) * scale
+    if not len(xs):
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    q = np.percentile(xs, [50, 90, 99])
+    return {"mean": float(xs.mean()), "p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
+
+
+def summarize(rate: float, results: list[Result], duration_s: float, args) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    good = [r for r in done if r.ttft_s * 1e3 <= args.slo_ttft_ms
+            and (not math.isfinite(r.tpot_s) or r.tpot_s * 1e3 <= args.slo_tpot_ms)]
+    errors = sorted({r.error for r in results if r.error})
+    return {
+        "rate": "inf" if math.isinf(rate) else rate, "requested": len(results), "completed": len(done),
+        "failed": len(results) - len(done), "errors": errors[:5], "duration_s": duration_s,
+        "request_throughput": len(done) / duration_s, "output_throughput": out_tokens / duration_s,
+        "total_output_tokens": out_tokens,
+        "total_prompt_tokens": sum(r.prompt_tokens or 0 for r in done),
+        "ttft_ms": pcts(r.ttft_s for r in done), "tpot_ms": pcts(r.tpot_s for r in done),
+        "itl_ms": pcts(x for r in done for x in r.itl_s), "e2e_latency_ms": pcts(r.latency_s for r in done),
+        "goodput": len(good) / duration_s, "goodput_fraction": len(good) / len(results) if results else None,
+    }
+
+
+async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> dict:
+    """Send every job at its Poisson arrival time, all streams concurrently; wait for all."""
+    import httpx
+    from tqdm.auto import tqdm
+    times = arrival_times(len(jobs), rate, args.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+        start = time.perf_counter()
+        tasks = []
+        for job, at in zip(jobs, times):
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(send(client, url, model, job, args.ignore_eos))
+            task.add_done_callback(lambda _t: bar.update(1))
+            tasks.append(task)
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return summarize(rate, results, duration, args)
+
+
+# -- results -------------------------------------------------------------------------------------
+
+def plot(results: list[dict], path: Path, title: str) -> Path:
+    """Latency (TTFT, TPOT: p50 and p99) and throughput against the offered request rate."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [str(r["rate"]) for r in results]
+    x = np.arange(len(results))
+
+    def series(key, stat):
+        return [np.nan if r[key][stat] is None else r[key][stat] for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, name in ((axes[0], "ttft_ms", "time to first token (ms)"),
+                          (axes[1], "tpot_ms", "time per output token (ms)")):
+        for stat, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
+            ax.plot(x, series(key, stat), style, label=stat)
+        ax.set_ylabel(name)
+        ax.legend()
+    axes[2].plot(x, [r["output_throughput"] for r in results], "o-", label="output tokens/s")
+    axes[2].set_ylabel("output tokens/s")
+    axes[2].legend(loc="lower right")
+    ax2 = axes[2].twinx()
+    ax2.plot(x, [r["request_throughput"] for r in results], "s--", color="C1", label="requests/s")
+    ax2.plot(x, [r["goodput"] for r in results], "^:", color="C2", label="goodput (req/s in SLO)")
+    ax2.set_ylabel("requests/s")
+    ax2.legend(loc="upper left")
+    for ax in axes:
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def metadata(argv, url: str, server_models) -> dict:
+    import httpx
+    return {"date": datetime.date.today().isoformat(),
+            "time": datetime.datetime.now().isoformat(timespec="seconds"),
+            "python": platform.python_version(), "httpx": httpx.__version__, "numpy": np.__version__,
+            "client_commit": git_commit(), "command": " ".join(["python -m pagedlab bench serve"] + list(argv)),
+            "url": url, "server_models": server_models}
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = []
+    for part in text.split(","):
+        try:
+            r = float(part)
+        except ValueError:
+            bad(f"--rate must be a comma-separated list of numbers > 0 or inf, got {part!r} in {text!r}")
+        if not r > 0:                           # also nan
+            bad(f"--rate must be > 0 (or inf), got {part!r}")
+        rates.append(r)
+    return rates
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pagedlab bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    p.add_argument("--model", default=None, help="the model name to send (default: the first of /v1/models)")
+    p.add_argument("--rate", default=DEFAULT_RATES, help="request rates (req/s), comma-separated; inf = all at once")
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
+    p.add_argument("--seed", type=int, default=0, help="the prompts, lengths and arrival times")
+    p.add_argument("--input-len", type=int, default=128, help="prompt length (tokens, or words without --ignore-eos)")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths uniform in len*(1-r) .. len*(1+r), r in [0, 1)")
+    p.add_argument("--trace", default=None, help="JSON lines {\"input_len\": .., \"output_len\": ..} (instead of the lengths above)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="send ignore_eos: true and token-id prompts (vLLM and pagedlab take them)")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput: TTFT at most this")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT at most this")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent first, not measured")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
+    p.add_argument("--out", default="figures", help="where serve_bench.json / .png go")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check(args) -> list[float]:
+    rates = parse_rates(args.rate)
+    for flag, v in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
+                    ("--output-len", args.output_len)):
+        if v < 1:
+            bad(f"{flag} must be >= 1, got {v}")
+    if not 0 <= args.range_ratio < 1:
+        bad(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
+    for flag, v in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms),
+                    ("--timeout-s", args.timeout_s)):
+        if not v > 0:
+            bad(f"{flag} must be > 0, got {v}")
+    if args.warmup < 0:
+        bad(f"--warmup must be >= 0, got {args.warmup}")
+    if not args.url.startswith(("http://", "https://")):
+        bad(f"--url must start with http:// or https://, got {args.url!r}")
+    if args.trace and not Path(args.trace).is_file():
+        bad(f"--trace {args.trace}: no such file")
+    return rates
+
+
+def server_model(url: str, model: str | None):
+    """The server's /v1/models (and the model to ask for): also checks the server answers."""
+    import httpx
+    try:
+        r = httpx.get(f"{url}/v1/models", timeout=30)
+        r.raise_for_status()
+        models = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        bad(f"--url {url}: GET /v1/models failed ({type(e).__name__}: {e})")
+    ids = [m.get("id") for m in models.get("data", [])]
+    if model is None:
+        if not ids:
+            bad(f"--url {url}: /v1/models lists no model; give --model")
+        model = ids[0]
+    return model, models
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    rates = check(args)
+    url = args.url.rstrip("/")
+    model, models = server_model(url, args.model)
+    jobs = make_workload(args)
+    meta = metadata(argv, url, models)
+
+    async def everything():
+        if args.warmup:
+            await asyncio.gather(*(send_one(url, model, j, args) for j in jobs[:args.warmup]))
+        return [await run_rate(url, model, jobs, r, args) for r in rates]
+    results = asyncio.run(everything())
+    out = out_dir(args.out)
+    config = {k: v for k, v in vars(args).items()} | {"model": model, "rates": [str(r) for r in rates]}
+    path = write_json(out / "serve_bench.json", {"metadata": meta, "config": config, "results": results})
+    title = f"{model} at {url} -- {meta['date']}, {args.num_prompts} requests per rate, " \
+            f"SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
+    plot(results, out / "serve_bench.png", title)
+    print(table(results))
+    print(f"wrote {path} and {out / 'serve_bench.png'}")
+    return 0
+
+
+async def send_one(url, model, job, args) -> Result:
+    import httpx
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s)) as client:
+        return await send(client, url, model, job, args.ignore_eos)
+
+
+def table(results: list[dict]) -> str:
+    def f(x):
+        return "-" if x is None else f"{x:.1f}"
+    rows = [f"{'rate':>6} {'done':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} "
+            f"{'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'goodput':>8}"]
+    for r in results:
+        rows.append(f"{r['rate']!s:>6} {r['completed']:>3}/{r['requested']:<2} {r['request_throughput']:7.2f} "
+                    f"{r['output_throughput']:8.1f} {f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} "
+                    f"{f(r['tpot_ms']['p50']):>9} {f(r['tpot_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
+                    f"{r['goodput']:8.2f}")
+    return "\n".join(rows) + "\n(latencies in ms; goodput: requests/s within the SLO)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
