@@ -411,6 +411,9 @@ class EngineConfig:
                        "bf16" and torch dtypes are normalized to "bfloat16", "float16", "float32".
     trace:             record every step (see trace.py); max_trace_steps: keep at most that many
                        (the oldest are dropped), None keeps all.
+    prefix_caching:    share the KV blocks of equal prefixes between requests (prefix_cache.py): a
+                       request starts with the full blocks of its prompt that are cached and
+                       computes only the rest.
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -428,6 +431,7 @@ class EngineConfig:
     trace: bool = False
     seed: int = 0
     max_trace_steps: int | None = 10_000
+    prefix_caching: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -455,6 +459,7 @@ class EngineConfig:
         self.device = normalize_device(self.device)
         self.seed = _check_int("seed", self.seed, 0, 2 ** 63)
         self.max_trace_steps = _check_int("max_trace_steps", self.max_trace_steps, lo=1, optional=True)
+        self.prefix_caching = _check_bool("prefix_caching", self.prefix_caching)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -36,6 +36,8 @@ class Request:
     num_scheduled: int = 0                    # tokens this step computes (a prefill chunk, or 1)
     num_preemptions: int = 0
     num_cached_tokens: int = 0                # prompt tokens found in the prefix cache, not computed
+    block_keys: list = field(default_factory=list)    # prefix-cache keys of its full blocks (prefix_cache.py)
+    num_registered_blocks: int = 0            # its blocks[:n] were named in the prefix cache
     logprobs: list = field(default_factory=list)   # params.logprobs: a TokenLogprob per output token
     stop_string: str | None = None            # the stop string that stopped it (finish_reason "stop")
     text_end: int | None = None               # output text ends here (before the stop string)

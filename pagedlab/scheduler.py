@@ -18,6 +18,13 @@ accept() appends each new token, finds the requests that stop, finishes them and
 blocks; their slots are refilled by the next schedule(). Finished requests wait in `finished`
 until the engine hands them out (`take_finished`), so none is lost if a step is interrupted.
 
+Prefix caching (prefix_caching=True, prefix_cache.py): a full block whose tokens are known and
+whose K/V are computed is named by its prefix (registered), at the start of the next schedule() or
+when its request leaves. A new request takes the registered blocks that match the start of its
+sequence (each held by one more request), starts with them computed, and computes only the rest.
+Nobody ever writes a shared block: a request writes only at positions >= its num_computed, which
+are in blocks it took fresh.
+
 accept = advance + settle. When the host runs one step ahead of the GPU (engine.py, overlap) the
 two halves happen apart: advance() when the step is launched (its tokens become PENDING
 placeholders), settle() once its tokens are read back.
@@ -32,7 +39,18 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .kv_cache import BlockAllocator, blocks_needed
+from .prefix_cache import extend_keys
 from .request import PENDING, Request, RequestStatus
+
+
+def known_tokens(req: Request) -> int:
+    """How many of req's tokens are known: all but the PENDING placeholders at the end of its
+    output (launched, not read back yet: overlap loop)."""
+    out = req.output_token_ids
+    k = len(out)
+    while k and out[k - 1] == PENDING:
+        k -= 1
+    return len(req.prompt_token_ids) + k
 
 
 @dataclass
@@ -57,7 +75,8 @@ class Batch:
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 8192, policy: str = "continuous",
-                 stop_token_ids: dict[int, str] | None = None, record_views: bool = False):
+                 stop_token_ids: dict[int, str] | None = None, record_views: bool = False,
+                 prefix_caching: bool = False):
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -65,6 +84,7 @@ class Scheduler:
         self.policy = policy
         self.stop_token_ids = dict(stop_token_ids or {})   # token id -> where it comes from (EOS)
         self.record_views = record_views
+        self.prefix_caching = prefix_caching
         self.stop_strings = None      # stop_strings.StopStrings: stop strings need the tokenizer (engine)
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Request] = deque()
@@ -104,10 +124,14 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Blocks back to the pool, the slot emptied. (Its table entries are not cleared: entries
-        past a sequence's length are never read, and the next owner overwrites them.)"""
+        past a sequence's length are never read, and the next owner overwrites them.) With prefix
+        caching its full blocks are registered first, so they stay cached for later requests."""
+        if self.prefix_caching:
+            self._register_full_blocks(req)     # may be interrupted: nothing else has changed yet
         self.allocator.free(req.blocks)
         req.blocks = []
         req.num_computed = 0
+        req.num_registered_blocks = 0
         self.slots[req.slot] = None
         req.slot = None
         self.admitted.remove(req)
@@ -140,12 +164,45 @@ class Scheduler:
         self.finish(req, "abort")
         return True
 
+    # -- prefix cache -----------------------------------------------------------
+    def _match_prefix(self, req: Request) -> list[int]:
+        """The cached blocks that hold the start of req's sequence (prefix_cache.py): changes
+        nothing but req.block_keys (its key chain, a memo of its own tokens).
+
+        At most (num_tokens - 1) // block_size blocks, i.e. only full blocks *before the block of
+        the last token*. The last token must be computed whatever the cache holds -- its logits
+        give the first new token -- and computing it writes its K/V into its block. When the
+        sequence ends exactly at a block boundary and every full block is cached, taking the last
+        one as a hit would mean writing that token's K/V into a shared block, which other requests
+        are reading. So that block is not taken: it is recomputed into a fresh block of the
+        request's own (one block of work; the shared block stays untouched)."""
+        last = min(known_tokens(req), req.num_tokens - 1)    # (a waiting request has no PENDING)
+        return self.allocator.prefix_cache.match(req.block_keys, req.all_token_ids, self.block_size,
+                                                 last // self.block_size)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Name req's blocks that are full, computed and whose tokens are all known (a PENDING
+        token of the overlap loop is not), so later requests can take them. Safe to interrupt
+        and to repeat: registering a block twice changes nothing."""
+        bs = self.block_size
+        full = min(req.num_computed, known_tokens(req)) // bs
+        if full <= req.num_registered_blocks:
+            return
+        keys = extend_keys(req.block_keys, req.all_token_ids, bs, full)
+        cache = self.allocator.prefix_cache
+        for j in range(req.num_registered_blocks, full):
+            cache.register(req.blocks[j], keys[j])
+        req.num_registered_blocks = full
+
     # -- one step -------------------------------------------------------------
     def schedule(self) -> Batch:
         self._settle_leftovers()
         step = Batch()
         # 1. decodes: room for each one's next token; oldest first, the newest is preempted.
+        caching, bs = self.prefix_caching, self.block_size
         for req in list(self.admitted):
+            if caching and req.num_computed >= (req.num_registered_blocks + 1) * bs:
+                self._register_full_blocks(req)     # blocks filled by the last step: name them
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
             while not self._grow(req, req.num_tokens):
@@ -168,14 +225,17 @@ class Scheduler:
                 step.prefill.append(req)
         # 3. fill free slots from the queue.
         fill = self.policy == "continuous" or not self.admitted    # static: only into an empty engine
+        alloc = self.allocator
         while fill and self.waiting and None in self.slots and budget > 0:
             req = self.waiting[0]
-            need = req.num_tokens - req.num_computed
+            hits = self._match_prefix(req) if caching else []     # cached blocks of its prefix
+            need = req.num_tokens - len(hits) * bs                 # tokens left to compute
             if budget < need <= self.max_num_batched_tokens:
                 break                  # fits a later step whole: wait (measured faster than splitting)
-            if blocks_needed(req.num_tokens, self.block_size) > self.allocator.num_free:
+            fresh = blocks_needed(req.num_tokens, bs) - len(hits)
+            if fresh + alloc.num_cached_in(hits) > alloc.num_free:
                 break                  # wait for running requests to free blocks
-            blocks = self.allocator.allocate(req.request_id, blocks_needed(req.num_tokens, self.block_size))
+            blocks = alloc.allocate(req.request_id, fresh, shared=hits)
             self.waiting.popleft()             # (from here on no call can be interrupted half-way)
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
@@ -184,6 +244,13 @@ class Scheduler:
             for b in blocks:
                 self.table_edits.append((req.slot, len(req.blocks), b))
                 req.blocks.append(b)
+            req.num_computed = len(hits) * bs
+            req.num_registered_blocks = len(hits)
+            if caching:
+                alloc.prefix_queries += req.num_tokens
+                alloc.prefix_hits += req.num_computed
+                if not req.num_preemptions:        # as the user is told: hits at its first admission
+                    req.num_cached_tokens = req.num_computed
             req.num_scheduled = min(need, budget)
             budget -= req.num_scheduled
             step.prefill.append(req)
@@ -284,4 +351,8 @@ class Scheduler:
             pool_used=self.allocator.num_used, pool_total=self.allocator.num_blocks,
             queue=[r.request_id for r in self.waiting],
             num_tokens=sum(r.num_scheduled for r in step.prefill + step.decode),
-            preempted=[r.request_id for r in step.preempted])
+            preempted=[r.request_id for r in step.preempted],
+            block_refs={b: n for b, n in self.allocator.ref_count.items() if n > 1},
+            cached_tokens=[r.num_cached_tokens if r else 0 for r in self.slots],
+            pool_cached=self.allocator.num_cached,
+            prefix_hits=self.allocator.prefix_hits, prefix_queries=self.allocator.prefix_queries)

@@ -21,6 +21,17 @@ class StepRecord:
     num_tokens: int                         # tokens the model processed this step
     finished: list = field(default_factory=list)
     preempted: list = field(default_factory=list)
+    # prefix caching (prefix_cache.py)
+    block_refs: dict = field(default_factory=dict)    # physical block -> holders, for blocks held by > 1
+    cached_tokens: list = field(default_factory=list)  # per slot: prompt tokens its request found cached
+    pool_cached: int = 0                    # blocks nobody holds that keep a cached prefix
+    prefix_hits: int = 0                    # tokens found in the prefix cache so far (all admissions)
+    prefix_queries: int = 0                 # tokens looked up so far
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hits / lookups, in tokens, over every admission up to this step."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
 class Trace:
