@@ -195,7 +195,9 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
             try:                                  # read-only: fits this engine? (length, vocabulary)
                 engine.check_request(ids, req.stream_params(0))
             except (ValueError, TypeError) as e:
-                raise OpenAIError(str(e), param="messages" if req.kind == "chat" else "prompt") from None
+                param = "messages" if req.kind == "chat" else "prompt"
+                where = f"{param}[{p}]" if len(req.prompts) > 1 else param
+                raise OpenAIError(f"{where}: {e}", param=param) from None
             jobs += [(p * req.n + i, ids, req.stream_params(i)) for i in range(req.n)]
         ticket = gate.admit(len(jobs))
         env = Envelope(req.kind, model_name)

@@ -157,7 +157,8 @@ def make_params(kwargs: dict, params_of: dict[str, str]) -> SamplingParams:
         m = re.match(r"SamplingParams: (\w+)", str(e))
         name = m.group(1) if m else None
         param = params_of.get(name, PARAM_OF_FIELD.get(name, name))
-        raise OpenAIError(str(e), param=param) from None
+        message = str(e) if param is None or param in str(e) else f"{param}: {e}"
+        raise OpenAIError(message, param=param) from None
 
 
 def _sampling_kwargs(body: dict) -> tuple[dict, dict]:
