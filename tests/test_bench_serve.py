@@ -1,0 +1,122 @@
+"""bench serve against a real server (the tiny random model on 127.0.0.1): the JSON and the plot,
+numbers that hold together, the Poisson arrivals, and one-line errors for bad flags."""
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import tiny_llm
+from pagedlab.bench import serve as bench
+
+MODEL = "tiny-bench"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from pagedlab.server import serve
+    s = serve(tiny_llm(max_num_seqs=4, num_blocks=96, dtype="float32"), model_name=MODEL, port=0)
+    yield s
+    s.stop()
+
+
+def generated_tokens(server) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return next(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                if s.name == "pagedlab_generation_tokens_total")
+
+
+def run(argv, capsys):
+    assert bench.main(argv) == 0
+    return capsys.readouterr().out
+
+
+def check_ordered(stats: dict):
+    assert stats["p50"] <= stats["p90"] <= stats["p99"]
+    assert stats["mean"] > 0
+
+
+def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
+    argv = ["--url", server.url, "--rate", "6,inf", "--num-prompts", "7", "--input-len", "12",
+            "--output-len", "6", "--range-ratio", "0.5", "--ignore-eos", "--seed", "3", "--warmup", "1",
+            "--out", str(tmp_path), "--no-progress"]
+    tokens_before = generated_tokens(server)
+    out = run(argv, capsys)
+    data = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert (tmp_path / "serve_bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = data["metadata"]
+    assert meta["command"].endswith(" ".join(argv)) and meta["date"] and meta["httpx"]
+    assert meta["server_models"]["data"][0]["id"] == MODEL == data["config"]["model"]
+    args = bench.build_parser().parse_args(argv)
+    jobs = bench.make_workload(args)
+    want_tokens = sum(j.output_len for j in jobs)      # ignore_eos: each request its max_tokens exactly
+    assert [r["rate"] for r in data["results"]] == [6.0, "inf"]
+    for r in data["results"]:
+        assert r["requested"] == r["completed"] == 7 and r["failed"] == 0 and r["errors"] == []
+        assert r["total_output_tokens"] == want_tokens
+        assert r["total_prompt_tokens"] == sum(len(j.prompt) for j in jobs)
+        for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
+            check_ordered(r[key])
+        check_ordered(r["tpot_ms"])
+        assert r["ttft_ms"]["p99"] <= r["e2e_latency_ms"]["p99"]
+        assert math.isclose(r["request_throughput"], 7 / r["duration_s"])
+        assert math.isclose(r["output_throughput"], want_tokens / r["duration_s"])
+        assert 0 <= r["goodput"] <= r["request_throughput"] and 0 <= r["goodput_fraction"] <= 1
+    # the server counted what the client counted (+ the warm-up request)
+    assert generated_tokens(server) - tokens_before == 2 * want_tokens + jobs[0].output_len
+    assert "inf" in out and "goodput" in out
+
+
+def test_word_prompts_and_a_trace(server, tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    pairs = [(5, 3), (17, 2), (9, 4)]
+    trace.write_text("\n".join(json.dumps({"input_len": a, "output_len": b}) for a, b in pairs) + "\n")
+    run(["--url", server.url + "/", "--rate", "inf", "--num-prompts", "5", "--trace", str(trace), "--warmup", "0",
+         "--out", str(tmp_path), "--no-progress"], capsys)
+    (r,) = json.loads((tmp_path / "serve_bench.json").read_text())["results"]
+    assert r["completed"] == r["requested"] == 5
+    cycled = [pairs[i % 3] for i in range(5)]
+    assert 5 <= r["total_output_tokens"] <= sum(b for _, b in cycled)    # words: EOS may stop one early
+    assert r["total_prompt_tokens"] > sum(a for a, _ in cycled)            # words are several bytes each
+
+
+def test_poisson_arrivals_are_seeded():
+    rng_rate = 7.5
+    t = bench.arrival_times(20000, rng_rate, seed=11)
+    assert t == bench.arrival_times(20000, rng_rate, seed=11) and t != bench.arrival_times(20000, rng_rate, seed=12)
+    gaps = np.diff(t)
+    assert t[0] == 0 and (gaps >= 0).all()
+    assert abs(gaps.mean() * rng_rate - 1) < 0.05            # exponential gaps of mean 1/rate ...
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.05          # ... whose std equals their mean
+    slow = bench.arrival_times(100, 2.0, seed=11)
+    fast = bench.arrival_times(100, 8.0, seed=11)
+    assert np.allclose(np.array(slow) / 4, fast)             # one workload, scaled by the rate
+    assert bench.arrival_times(5, math.inf, seed=0) == [0.0] * 5
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--rate", "0"], "--rate"), (["--rate", "1,abc"], "--rate"), (["--rate", "nan"], "--rate"),
+    (["--num-prompts", "0"], "--num-prompts"), (["--range-ratio", "1"], "--range-ratio"),
+    (["--slo-ttft-ms", "-5"], "--slo-ttft-ms"), (["--url", "localhost:8000"], "--url"),
+    (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
+])
+def test_bad_flags_are_one_line(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and flag in err
+
+
+def test_no_server_is_one_line(capsys):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]                 # bound, not listening: nothing answers there
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--url", f"http://127.0.0.1:{port}", "--no-progress"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "--url" in err
