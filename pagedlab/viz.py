@@ -24,6 +24,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 
 IDLE = "#f2f2f2"
 FREE = "#ffffff"
+SHARED = "#ffd24d"        # a block held by several requests (prefix caching): same colour in every row
+CACHED = "#e3e3e3"        # a block nobody holds that keeps a cached prefix
 _PALETTE = plt.get_cmap("tab20").colors
 
 
@@ -115,10 +117,14 @@ def draw_utilization(traces: dict, ax=None):
 
 # ----------------------------------------------------------------------------- block table, pool
 def draw_block_table(block_table, slot_request=None, ax=None, num_cols: int | None = None,
-                     title: str = "block table: slot x logical block -> physical block"):
+                     title: str = "block table: slot x logical block -> physical block",
+                     block_refs: dict | None = None):
     """block_table: one list of physical block ids per slot (a StepRecord's .block_table, or
     rows of the device tensor with -1 = empty). Each cell shows the physical id, coloured by the
-    request that owns the slot."""
+    request that owns the slot. block_refs (a StepRecord's .block_refs: block -> holders, for
+    blocks held by several requests): a shared block is drawn in the SHARED colour in every row
+    that holds it, with its holder count ("17\n×3")."""
+    block_refs = block_refs or {}
     rows = [[b for b in row if b is not None and b >= 0] for row in
             (r.tolist() if hasattr(r, "tolist") else list(r) for r in block_table)]
     n_slots = len(rows)
@@ -127,7 +133,11 @@ def draw_block_table(block_table, slot_request=None, ax=None, num_cols: int | No
     for y, row in enumerate(rows):
         rid = slot_request[y] if slot_request is not None else (y if row else None)
         for x in range(cols):
-            if x < len(row):
+            if x < len(row) and row[x] in block_refs:
+                ax.add_patch(Rectangle((x, y), 1, 1, facecolor=SHARED, edgecolor="#7a5c00", linewidth=1.2))
+                ax.text(x + 0.5, y + 0.5, f"{row[x]}\n×{block_refs[row[x]]}", ha="center", va="center",
+                        fontsize=6.5, linespacing=0.9)
+            elif x < len(row):
                 ax.add_patch(Rectangle((x, y), 1, 1, facecolor=request_color(rid), edgecolor="white"))
                 ax.text(x + 0.5, y + 0.5, str(row[x]), ha="center", va="center", fontsize=8)
             else:
@@ -155,16 +165,18 @@ def pool_owners(block_table, slot_request, pool_total: int) -> list:
     return owners
 
 
-def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None = None):
-    """The KV pool as a grid of physical blocks, coloured by owning request (white = free)."""
+def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None = None,
+              shared=()):
+    """The KV pool as a grid of physical blocks, coloured by owning request (white = free);
+    blocks in `shared` (held by several requests) in the SHARED colour."""
     n = len(owners)
     ncols = ncols or min(32, max(8, int(n ** 0.5 * 2)))
     nrows = -(-n // ncols)
     fig, ax = _new_ax(ax, (min(12, 0.3 * ncols + 1), 0.3 * nrows + 0.8))
     for b, rid in enumerate(owners):
         x, y = b % ncols, b // ncols
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=FREE if rid is None else request_color(rid),
-                               edgecolor="#cccccc", linewidth=0.5))
+        color = FREE if rid is None else SHARED if b in shared else request_color(rid)
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="#cccccc", linewidth=0.5))
         if rid is not None and ncols <= 32:
             ax.text(x + 0.5, y + 0.5, _letter(rid), ha="center", va="center", fontsize=6)
     ax.set_xlim(0, ncols)
@@ -197,6 +209,9 @@ def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = Tr
         ax.add_patch(Rectangle((0, y), 1, 0.9, facecolor=request_color(rid) if rid is not None else IDLE,
                                edgecolor="grey", hatch="///" if ph == "prefill" else None))
         label = "free" if rid is None else f"req {rid} ({_letter(rid)}): {ph}"
+        cached = s.cached_tokens[y] if y < len(s.cached_tokens) else 0
+        if rid is not None and cached:
+            label += f", {cached} cached"
         if rid in s.emitted:
             label += f" -> {s.emitted[rid]}"
         if rid in s.finished:
@@ -222,14 +237,19 @@ def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = Tr
     ax.set_title(f"queue: {len(s.queue)} waiting{extra}{pre}", fontsize=10, loc="left")
     # block table
     cols = max([len(r) for st in trace.steps for r in st.block_table] + [4])
+    caching = s.prefix_queries > 0 or s.block_refs
     draw_block_table(s.block_table, s.slot_request, ax=fig.add_subplot(gs[1:, 2]), num_cols=cols,
-                     title="block table (physical block ids)")
+                     block_refs=s.block_refs,
+                     title="block table (physical block ids)" + (
+                         f"\nprefix cache: hit rate {s.hit_rate:.0%} ({s.prefix_hits}/{s.prefix_queries} "
+                         f"tokens); gold = shared by several requests" if caching else ""))
     # pool
     ax = fig.add_subplot(gs[2, :2])
     owners = pool_owners(s.block_table, s.slot_request, s.pool_total)
     shown = owners[:max_pool]
-    draw_pool(shown, ax=ax, ncols=min(32, max(8, -(-len(shown) // 4))),
+    draw_pool(shown, ax=ax, ncols=min(32, max(8, -(-len(shown) // 4))), shared=s.block_refs,
               title=f"KV pool: {s.pool_used}/{s.pool_total} blocks used"
+                    + (f", {len(s.block_refs)} shared, {s.pool_cached} cached" if caching else "")
                     + (f" (first {max_pool} shown)" if s.pool_total > max_pool else ""))
     return fig
 
