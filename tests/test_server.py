@@ -93,6 +93,10 @@ def metrics(server) -> dict:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def moved(before: dict, after: dict, name: str, labels=()) -> float:
+    return after[(name, labels)] - before.get((name, labels), 0)
+
+
 def random_prompts(rng, n, lo=1, hi=40):
     return [torch.randint(3, 500, (int(torch.randint(lo, hi, (1,), generator=rng)),), generator=rng).tolist()
             for _ in range(n)]
@@ -203,6 +207,7 @@ def test_aborted_stream_frees_its_blocks(server):
     after = metrics(server)
     key = ("pagedlab_requests_finished_total", (("finish_reason", "abort"),))
     assert after[key] == before[key] + 1
+    assert moved(before, after, "pagedlab_generation_tokens_total") < 200     # it stopped early
     # a non-streaming request whose client gives up (a read timeout) is aborted too
     body = dict(body, stream=False)
     with pytest.raises(httpx.ReadTimeout):
@@ -210,6 +215,7 @@ def test_aborted_stream_frees_its_blocks(server):
     wait_idle(server)
     later = metrics(server)
     assert later[key] == after[key] + 1
+    assert moved(after, later, "pagedlab_generation_tokens_total") < 200
     length = ("pagedlab_requests_finished_total", (("finish_reason", "length"),))
     assert later[length] == before[length]              # neither ran to its end
 
@@ -229,6 +235,7 @@ with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60
 
 
 def test_server_survives_a_killed_client(server):
+    before = metrics(server)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, MODEL], stdout=subprocess.PIPE,
                             text=True)
     try:
@@ -240,6 +247,7 @@ def test_server_survives_a_killed_client(server):
         if proc.poll() is None:
             proc.kill()
     wait_idle(server)
+    assert moved(before, metrics(server), "pagedlab_generation_tokens_total") < 220     # aborted, not finished
     r = client(server).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert len(ids_of(r.choices[0].text)) == 4
@@ -394,15 +402,12 @@ def test_metrics_parse_and_move(server):
     r = client(server).completions.create(model=MODEL, prompt=[4, 5, 6, 7, 8], max_tokens=m, temperature=0,
                                           extra_body={"ignore_eos": True})
     after = metrics(server)
-
-    def moved(name, labels=()):
-        return after[(name, labels)] - before.get((name, labels), 0)
-    assert moved("pagedlab_generation_tokens_total") == r.usage.completion_tokens == m
-    assert moved("pagedlab_prompt_tokens_total") == 5
-    assert moved("pagedlab_requests_finished_total", (("finish_reason", "length"),)) == 1
-    assert moved("pagedlab_time_to_first_token_seconds_count") == 1
-    assert moved("pagedlab_inter_token_latency_seconds_count") == m - 1
-    assert moved("pagedlab_time_to_first_token_seconds_sum") > 0
+    assert moved(before, after, "pagedlab_generation_tokens_total") == r.usage.completion_tokens == m
+    assert moved(before, after, "pagedlab_prompt_tokens_total") == 5
+    assert moved(before, after, "pagedlab_requests_finished_total", (("finish_reason", "length"),)) == 1
+    assert moved(before, after, "pagedlab_time_to_first_token_seconds_count") == 1
+    assert moved(before, after, "pagedlab_inter_token_latency_seconds_count") == m - 1
+    assert moved(before, after, "pagedlab_time_to_first_token_seconds_sum") > 0
 
 
 # -- fields that arrived with SamplingParams' growth (n, stop, logprobs) ----------------------------
