@@ -176,6 +176,8 @@ def check_serve_args(args) -> None:
 def serve(args) -> None:
     from .server import serve as run_server
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.prefix_caching:
+        kw["prefix_caching"] = True
     llm = _llm(args, **kw)
     name = args.served_model_name or args.model
     print(f"serving {name} ({llm.checkpoint.source} on {llm.engine.device}, {args.slots} slots, "
@@ -225,6 +227,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    s.add_argument("--prefix-caching", action="store_true",
+                   help="share the KV blocks of equal prompt prefixes between requests")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),

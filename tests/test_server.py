@@ -410,6 +410,27 @@ def test_metrics_parse_and_move(server):
     assert moved(before, after, "pagedlab_time_to_first_token_seconds_sum") > 0
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics():
+    s = serve(id_llm(prefix_caching=True), model_name=MODEL, port=0)
+    try:
+        rng = torch.Generator().manual_seed(14)
+        prompt = random_prompts(rng, 1, 70, 90)[0]          # several full 16-token blocks
+        c = client(s)
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+        first, second = c.completions.create(**kw), c.completions.create(**kw)
+        assert first.choices[0].text == second.choices[0].text
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert 0 < cached < len(prompt) and cached % 16 == 0
+        m = metrics(s)
+        assert m[("pagedlab_prefix_cache_hit_tokens_total", ())] == cached
+        assert m[("pagedlab_prompt_tokens_total", ())] == 2 * len(prompt)
+        assert m[("pagedlab_prefix_cache_hit_rate", ())] == pytest.approx(cached / (2 * len(prompt)))
+        wait_idle(s)
+    finally:
+        s.stop()
+
+
 # -- fields that arrived with SamplingParams' growth (n, stop, logprobs) ----------------------------
 
 def needs_field(name):

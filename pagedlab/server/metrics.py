@@ -11,9 +11,10 @@ apps in one process -- two test servers -- never share or double-count a metric)
 - histograms of latency: time to first token (from the HTTP request's arrival) and the time between
   tokens (inter-token latency, from the engine's per-token times).
 
-The prefix cache (#14) is measured here too: prompt tokens taken from the cache, out of all prompt
-tokens (`pagedlab_prefix_cache_hit_tokens_total / pagedlab_prompt_tokens_total` is the hit rate), and
-a gauge of the allocator's own hit rate when its allocator keeps one (see PREFIX_CACHE_HIT_RATE).
+The prefix cache (#14) is measured here too: prompt tokens of finished requests taken from the cache
+(`pagedlab_prefix_cache_hit_tokens_total / pagedlab_prompt_tokens_total` is the hit rate seen by
+clients), and, read off the allocator when it keeps them (`prefix_queries`, `prefix_hits`,
+`hit_rate`, `num_cached`), the engine's own count since it started and the blocks kept for reuse.
 """
 from __future__ import annotations
 
@@ -25,8 +26,13 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# the allocator attribute a prefix-caching allocator may keep (a fraction in [0, 1])
-PREFIX_CACHE_HIT_RATE = "prefix_cache_hit_rate"
+# what a prefix-caching allocator keeps (kv_cache.BlockAllocator): metric name -> (attribute, help)
+PREFIX_CACHE_GAUGES = {
+    "pagedlab_prefix_cache_hit_rate": ("hit_rate", "prompt tokens found in the prefix cache / looked up"),
+    "pagedlab_prefix_cache_queried_tokens": ("prefix_queries", "prompt tokens looked up at admission"),
+    "pagedlab_prefix_cache_hit_tokens_engine": ("prefix_hits", "of those, tokens found cached"),
+    "pagedlab_kv_blocks_cached": ("num_cached", "blocks nobody holds that keep a known prefix"),
+}
 
 
 class ServerMetrics:
@@ -42,9 +48,9 @@ class ServerMetrics:
             lambda: alloc.num_used)
         Gauge("pagedlab_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
             lambda: alloc.num_blocks)
-        if hasattr(alloc, PREFIX_CACHE_HIT_RATE):
-            Gauge("pagedlab_prefix_cache_hit_rate", "the allocator's prefix cache hit rate",
-                  registry=reg).set_function(lambda: float(getattr(alloc, PREFIX_CACHE_HIT_RATE)))
+        for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
+            if hasattr(alloc, attr):          # only an allocator with a prefix cache has them
+                Gauge(name, doc, registry=reg).set_function(lambda attr=attr: float(getattr(alloc, attr)))
         self.generation_tokens = Counter("pagedlab_generation_tokens", "tokens generated", registry=reg)
         self.prompt_tokens = Counter("pagedlab_prompt_tokens", "prompt tokens of finished requests",
                                      registry=reg)
