@@ -34,6 +34,7 @@ from .request import PENDING, Request, RequestStatus  # noqa: F401  (PENDING re-
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Batch, Scheduler
+from .stop_strings import StopStrings
 from .trace import StepRecord, Trace
 
 CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4 GiB
@@ -109,6 +110,7 @@ class Engine:
         self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
                                    record_views=cfg.trace, prefix_caching=cfg.prefix_caching)
+        self.scheduler.stop_strings = StopStrings(tokenizer)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
                                   cfg.cuda_graphs)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
@@ -138,6 +140,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: the engine runs one sample per request; "
+                             "LLM.generate and the server expand n into n requests")
         text = None
         if isinstance(prompt, str):
             if not prompt.strip():

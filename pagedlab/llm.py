@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -12,7 +12,7 @@ from .engine import Engine, max_positions
 from .kernels import select_kernels
 from .model import LlamaModel
 from .request import Request
-from .sampling import SamplingParams
+from .sampling import SEED_LIMIT, SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
@@ -49,17 +49,30 @@ class RequestOutput:
 def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> RequestOutput:
     times = req.token_times
     stop_reason = None
-    if req.finish_reason == "stop" and req.stop_token_id is not None:
+    if req.finish_reason == "stop" and req.stop_string is not None:
+        stop_reason = req.stop_string
+    elif req.finish_reason == "stop" and req.stop_token_id is not None:
         t = req.stop_token_id
         source = (stop_sources or {}).get(t) if t not in req.params.stop_token_ids else "stop_token_ids"
         stop_reason = f"{tokenizer.decode([t])!r} (id {t}): {source or 'stop token'}"
     return RequestOutput(
         request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-        text=tokenizer.decode(req.output_token_ids, skip_special=True),
+        text=tokenizer.decode(req.output_token_ids, skip_special=True)[:req.text_end],
         token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
         ttft_s=times[0] - req.arrival_time if times else float("nan"),
         itl_s=[b - a for a, b in zip(times, times[1:])], num_preemptions=req.num_preemptions,
-        stop_reason=stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens)
+        stop_reason=stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens,
+        logprobs=list(req.logprobs) if req.params.logprobs is not None else None)
+
+
+def sample_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The params of sample j of n: a given seed becomes seed + j (so samples differ)."""
+    return params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
+
+
+def gather(outputs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's samples as one RequestOutput: the first, with every sample in `.outputs`."""
+    return outputs[0] if len(outputs) == 1 else replace(outputs[0], outputs=outputs)
 
 
 def make_tokenizer(ckpt):
@@ -144,13 +157,18 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
         eng = self.engine
-        checked = []
+        checked, counts = [], []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            n = sp.n if isinstance(sp, SamplingParams) else 1
             try:
-                checked.append(eng.check_request(p, sp, chat=chat))
+                checked.append(eng.check_request(p, replace(sp, n=1) if n > 1 else sp, chat=chat))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-        ids = [eng.add_checked(*c) for c in checked]
+            counts.append(n)
+        # n samples of a prompt are n requests (seeds seed, seed + 1, ... when a seed is given)
+        groups = [[eng.add_checked(ids, text, sample_params(sp, j)) for j in range(n)]
+                  for (ids, text, sp), n in zip(checked, counts)]
+        ids = [rid for group in groups for rid in group]
         wanted, done, others = set(ids), {}, []
         bar = None
         if use_tqdm:
@@ -176,7 +194,7 @@ class LLM:
             eng.scheduler.finished[:0] = others   # not ours: the next engine.step() hands them out
             if bar:
                 bar.close()
-        return [done[rid] for rid in ids]
+        return [gather([done[rid] for rid in group]) for group in groups]
 
     def stream(self, prompt, params: SamplingParams | None = None, chat: bool = False):
         """Generate one prompt and yield a StreamDelta (new text and token ids) after every step that

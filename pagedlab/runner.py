@@ -22,7 +22,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .kv_cache import BlockTable, blocks_needed
-from .sampling import sample
+from .sampling import TokenLogprob, apply_penalties, sample, token_counts
 
 MAX_GRAPH_BATCH = 512      # the largest decode batch captured as a CUDA graph
 
@@ -101,7 +101,7 @@ class ModelRunner:
             logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
             replay = None
         if replay is None or not all(r.params.plain_greedy for r in reqs):
-            tokens = self._sample(logits, reqs)
+            tokens, batch.logprobs = self._sample(logits, reqs)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
 
@@ -154,18 +154,52 @@ class ModelRunner:
                 for r, s in zip(reqs, slots)]
 
     # -- output -----------------------------------------------------------------
-    def _sample(self, logits, reqs) -> list[int]:
+    def _sample(self, logits, reqs):
+        """The sampled token ids on the host -- the step's one device -> host read -- and, if any
+        request asked for logprobs, a TokenLogprob per row (None for rows that did not ask)."""
         ps = [r.params for r in reqs]
-        if all(p.greedy for p in ps):
-            tokens = logits.argmax(dim=-1)
-        else:
-            dev = logits.device
-            tokens = sample(
-                logits,
-                temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
-                top_k=torch.tensor([p.top_k for p in ps], device=dev),
-                top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
-                seeds=torch.tensor([r.seed for r in reqs], device=dev),
-                positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
-                any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps))
-        return tokens.tolist()          # the step's one device -> host read
+        if all(p.plain_greedy for p in ps):
+            return logits.argmax(dim=-1).tolist(), None
+        dev, raw = logits.device, logits.float()
+        logits = self._penalize(raw, reqs) if any(p.has_penalties for p in ps) else raw
+        tokens = sample(
+            logits,
+            temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
+            top_k=torch.tensor([p.top_k for p in ps], device=dev),
+            top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
+            seeds=torch.tensor([r.seed for r in reqs], device=dev),
+            positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
+            all_greedy=all(p.greedy for p in ps),
+            any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
+            min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)
+        k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
+        if k is None:
+            return tokens.tolist(), None
+        # logprobs: the chosen token's and the k most likely, read with the tokens in one copy
+        lp = raw.log_softmax(dim=-1)
+        cols = [tokens[:, None].double(), lp.gather(1, tokens[:, None]).double()]
+        if k:
+            top = lp.topk(k, dim=-1)
+            cols += [top.indices.double(), top.values.double()]
+        rows = torch.cat(cols, dim=1).tolist()
+        out = []
+        for p, row in zip(ps, rows):
+            n = p.logprobs or 0
+            out.append(None if p.logprobs is None else TokenLogprob(
+                int(row[0]), row[1], [(int(i), v) for i, v in zip(row[2:2 + n], row[2 + k:2 + k + n])]))
+        return [int(row[0]) for row in rows], out
+
+    def _penalize(self, logits, reqs):
+        """Presence / frequency / repetition penalties on the rows that have them (one device copy
+        of their tokens; rows without penalties are left as they are)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
+        sub = [reqs[i] for i in rows]
+        v, dev = logits.shape[1], logits.device
+        out_counts = token_counts([[t for t in r.output_token_ids if t >= 0] for r in sub], v, dev)
+        seen = (out_counts + token_counts([r.prompt_token_ids for r in sub], v, dev)) > 0
+        knobs = torch.tensor([[r.params.presence_penalty, r.params.frequency_penalty,
+                               r.params.repetition_penalty] for r in sub], dtype=torch.float32).to(dev)
+        idx = torch.tensor(rows, device=dev)
+        logits = logits.clone()
+        logits[idx] = apply_penalties(logits[idx], out_counts, seen, knobs[:, 0], knobs[:, 1], knobs[:, 2])
+        return logits

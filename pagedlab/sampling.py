@@ -1,4 +1,4 @@
-"""Choosing the next token: greedy, temperature, top-k, top-p -- batched on the device.
+"""Choosing the next token: penalties, greedy, temperature, top-k, top-p, min-p -- batched on the device.
 
 Every row of the logits may have its own settings. Randomness is counter-based: the noise for
 (request seed, position, token) is a hash of those three numbers, so a request with a seed gives the
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import InitVar, dataclass
+from dataclasses import InitVar, dataclass, field
 
 import torch
 
 _M32 = 0xFFFFFFFF
 _INT32_MAX = 2**31 - 1
-_SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
+SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
 _MAX_TEMPERATURE = 1e4
 _DEFAULT_MAX_NEW_TOKENS = 64
 MAX_N = 128                               # samples per prompt
@@ -149,7 +149,7 @@ class SamplingParams:
         put(self, "top_p", _check_real("top_p", self.top_p, 0.0, 1.0, "a finite number in (0, 1] (1 = off)",
                                        lo_open=True))
         if self.seed is not None:
-            put(self, "seed", _check_int("seed", self.seed, 0, _SEED_LIMIT - 1, "in [0, 2**63-1] or None"))
+            put(self, "seed", _check_int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63-1] or None"))
         put(self, "stop_token_ids", _check_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             _bad(f"ignore_eos must be a bool (True or False), got {_show(self.ignore_eos)}")
@@ -245,17 +245,51 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     return u.clamp_(max=_BELOW_ONE)
 
 
+@dataclass
+class TokenLogprob:
+    """One output token's log-probability and the most likely alternatives at its position
+    (SamplingParams.logprobs), under the model's raw distribution (before temperature/penalties)."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # (token id, logprob), most likely first
+
+
+def token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[B, V] float32: how often each token occurs in each row's list. All rows' ids reach the
+    device in one copy and are counted by one scatter-add (no loop over rows on the device)."""
+    rows = [i for i, ids in enumerate(token_lists) for _ in range(len(ids))]
+    flat = torch.tensor([rows, [t for ids in token_lists for t in ids]], dtype=torch.int64).to(device)
+    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
+    return counts.index_put_((flat[0], flat[1]), torch.ones_like(flat[0], dtype=torch.float32),
+                             accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, output_counts: torch.Tensor, seen: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties (over the output) and the repetition penalty of
+    transformers and vLLM (over prompt and output), per row. logits [B, V] fp32; output_counts [B, V]
+    occurrences in the output; seen [B, V] bool: the token is in the prompt or the output."""
+    rep = repetition[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0).float()
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, positions: torch.Tensor, all_greedy: bool = False,
-           any_top_filter: bool = True) -> torch.Tensor:
+           any_top_filter: bool = True, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] fp32 -> token ids [B] (int64, on the device). Rows with temperature 0 are greedy.
-    all_greedy / any_top_filter are host-side facts the caller knows (they skip work without a sync)."""
+    all_greedy / any_top_filter are host-side facts the caller knows (they skip work without a sync);
+    min_p (None: off for every row) drops tokens less likely than min_p x the most likely one."""
     greedy = logits.argmax(dim=-1)
     if all_greedy:
         return greedy
     b, v = logits.shape
     t = temperature.clamp(min=1e-5)[:, None]
     scaled = logits / t
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p)  (no softmax needed)
+        floor = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p.clamp(min=1e-30))[:, None]
+        scaled = scaled.masked_fill((scaled < floor) & (min_p > 0)[:, None], float("-inf"))
     if any_top_filter:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(v, device=logits.device)[None, :]
