@@ -312,3 +312,23 @@ def test_wheel_builds_installs_and_runs_the_demo(tmp_path):
     r = subprocess.run([venv / "bin" / "pagedlab", "demo", "--slots", "0"], cwd=outside, env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "error: --slots must be >= 1" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("gpu,cap,dtype", [("Tesla T4", (7, 5), "float16"), ("NVIDIA A100", (8, 0), "bfloat16")])
+def test_course_picks_fp16_on_a_t4(monkeypatch, gpu, cap, dtype):
+    """The notebooks' device helpers on a (simulated) Colab T4: the engine's fp16 path, and the
+    set-up cell's report says so; an sm80 GPU gets bf16."""
+    import types
+
+    import torch
+
+    from pagedlab import course
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: cap)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(
+        name=gpu, total_memory=15 * 2**30, major=cap[0], minor=cap[1]))
+    assert course.device_dtype()[1] == getattr(torch, dtype)
+    report = course.device_report()
+    assert f"compute capability {cap[0]}.{cap[1]}" in report, report
+    assert dtype in report and (dtype == "bfloat16" or "bfloat16" not in report), report
