@@ -198,7 +198,7 @@ def build_parser() -> ArgumentParser:
                              "directory, or a hub id such as meta-llama/Llama-3.2-1B-Instruct")
         sp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
         sp.add_argument("--dtype", default=None,
-                        help="bfloat16, float16 or float32 (default: bf16 on cuda, fp32 on cpu)")
+                        help="bfloat16, float16 or float32 (default: bf16 on GPUs of compute capability 8.0+, fp16 below, e.g. a T4; fp32 on cpu)")
         sp.add_argument("--slots", type=int, default=2, help="max sequences decoding together (>= 1)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
         sp.add_argument("--max-new-tokens", type=int, default=48, help=">= 1")
