@@ -521,3 +521,21 @@ def test_drawing_shows_shared_blocks(shared_trace):
     assert f"{s.hit_rate:.0%}" in titles and "shared" in titles
     assert len(viz.fig_to_png(fig)) > 1000
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_bench_prefix_small_runs_on_cpu(tmp_path):
+    from pagedlab.bench import BENCHMARKS, prefix
+    assert "prefix" in BENCHMARKS
+    res = prefix.run(["--small", "--no-warmup", "--out", str(tmp_path)])
+    w = res["workloads"]
+    assert set(w) == set(prefix.WORKLOADS)
+    for name, r in w.items():
+        assert r["off"]["hit_rate"] == 0 and r["off"]["cached_prompt_tokens"] == 0
+        assert r["same_tokens"] == 1.0, f"{name}: greedy tokens differ with caching on (fp32, CPU)"
+        assert r["off"]["tokens"] == r["on"]["tokens"] > 0
+        assert r["on"]["computed_prompt_tokens"] + r["on"]["cached_prompt_tokens"] == r["on"]["prompt_tokens"]
+    assert w["shared_prompt"]["on"]["hit_rate"] > 0.3 and w["multi_turn"]["on"]["hit_rate"] > 0.2
+    assert w["offline"]["on"]["hit_rate"] == 0           # random prompts share no full block
+    for f in ("prefix_bench.json", "prefix_bench.md", "prefix_bench.png"):
+        assert (tmp_path / f).stat().st_size > 200

@@ -5,10 +5,12 @@
     engine    pagedlab against transformers: one stream and an offline workload
     gemv      the decode-time linear layers, fused Triton against cuBLAS + small kernels
     step      one batch-1 decode step: PDL modes, host overlap on and off
+    prefix    prefix caching off and on: a shared system prompt, multi-turn chats, no sharing
+              (--small runs on CPU)
     serve     an OpenAI-compatible server under Poisson load (HTTP only: any server, any machine)
 
 What they share (timing, copy bandwidth, metadata, output files) is in common.py.
 """
 
-BENCHMARKS = ("kernels", "engine", "gemv", "step")      # on a CUDA GPU
+BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix")      # on a CUDA GPU
 HTTP_BENCHMARKS = ("serve",)                             # a client of a server: no GPU here
