@@ -120,3 +120,28 @@ def test_no_server_is_one_line(capsys):
             bench.main(["--url", f"http://127.0.0.1:{port}", "--no-progress"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "--url" in err
+
+
+@pytest.mark.parametrize("done_line,ok", [(True, True), (False, True)])
+def test_a_stream_that_ends_after_its_finish_reason_counts(done_line, ok):
+    """OpenAI ends a stream with `data: [DONE]`; some servers (transformers serve) just close it
+    after the chunk with the finish_reason. Both are complete requests; a stream cut off before any
+    finish_reason is not."""
+    import asyncio
+
+    def sse(chunks, done):
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + ("data: [DONE]\n\n" if done else "")
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    texts = [{"choices": [{"index": 0, "text": t}]} for t in ("a", " b", " c")]
+    final = {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}
+
+    async def run(chunks, done):
+        transport = httpx.MockTransport(lambda req: sse(chunks, done))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await bench.send(client, "http://x", "m", bench.Job(prompt="p", input_len=1, output_len=3), False)
+
+    r = asyncio.run(run(texts + [final], done_line))
+    assert r.ok == ok and r.error is None and r.output_tokens == 3 and len(r.itl_s) == 2
+    cut = asyncio.run(run(texts[:2], False))             # closed mid-answer: a failure, and said so
+    assert not cut.ok and "[DONE]" in cut.error

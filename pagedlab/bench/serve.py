@@ -146,7 +146,7 @@ async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Resu
     if ignore_eos:
         body["ignore_eos"] = True
     r = Result()
-    chunks = 0
+    chunks, finished = 0, False
     t0 = time.perf_counter()
     last = t0
     try:
@@ -170,6 +170,8 @@ async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Resu
                     r.prompt_tokens = obj["usage"].get("prompt_tokens")
                     r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
                 for choice in obj.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        finished = True
                     if choice.get("text"):
                         now = time.perf_counter()
                         if chunks == 0:
@@ -181,6 +183,8 @@ async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Resu
         r.error = f"{type(e).__name__}: {e}"
         return r
     r.latency_s = last - t0
+    if not r.ok and finished and r.error is None and chunks > 0:
+        r.ok = True        # a finish_reason, then the stream closed: some servers (transformers) send no [DONE]
     if r.output_tokens == 0:          # a server without usage in streams: one token per chunk
         r.output_tokens = chunks
     if not r.ok and r.error is None:
