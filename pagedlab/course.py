@@ -54,9 +54,48 @@ def choose_model(small: bool | None = None, verbose: bool = True) -> str:
         name, why = "random:llama-3.2-1b", "no hub, no SmolLM2: Llama-3.2-1B's shape, random weights"
     else:
         name, why = "random:tiny", "no hub, no SmolLM2: a tiny random Llama"
+    if name == "smollm2" and os.environ.get("PAGEDLAB_SMOLLM2_COPY", "1") != "0":
+        try:
+            path = smollm2_copy()
+            name, why = str(path), why + f"; a local copy made once, in {path.parent}"
+        except Exception as e:          # no disk space, read-only home...: the GGUF, slowly
+            why += f" (no local copy: {type(e).__name__}: {e})"
     if verbose:
         print(f"model: {name}  ({why})")
     return name
+
+
+SMOLLM2_COPY_NAME = "SmolLM2-135M-Instruct"
+
+
+def smollm2_copy(root: str | os.PathLike | None = None):
+    """The embedded SmolLM2-135M as a checkpoint directory (config.json, fp32 safetensors,
+    tokenizer files), written once under ~/.cache/pagedlab (or PAGEDLAB_CACHE). Reading the GGUF
+    parses and dequantizes it, and the tokenizer parses it a second time: about a minute on a
+    2-core CPU, in every notebook. The copy holds the same fp32 tensors and loads in seconds."""
+    from pathlib import Path
+    root = Path(root or os.environ.get("PAGEDLAB_CACHE") or Path.home() / ".cache" / "pagedlab")
+    out = root / SMOLLM2_COPY_NAME
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    import json
+    import shutil
+    from safetensors.torch import save_file
+    from .llm import make_tokenizer
+    from .weights import load_checkpoint
+    print("making a local copy of the embedded SmolLM2-135M (once; about a minute on a CPU) ...")
+    ckpt = load_checkpoint("smollm2", show_progress=False)
+    tmp = root / (SMOLLM2_COPY_NAME + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf = ckpt.config.to_hf_dict()
+    hf["eos_token_id"] = list(ckpt.config.eos_token_ids) if len(ckpt.config.eos_token_ids) > 1 else hf["eos_token_id"]
+    (tmp / "config.json").write_text(json.dumps(hf, indent=1))
+    make_tokenizer(ckpt).hf.save_pretrained(str(tmp))
+    save_file({k: v.contiguous() for k, v in ckpt.tensors.items()}, str(tmp / "model.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def device_dtype():
@@ -91,3 +130,46 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
         prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_len))])
         params.append(SamplingParams(max_new_tokens=rng.randint(*new_tokens), ignore_eos=True))
     return prompts, params
+
+
+# -- the hands-on pieces: checks (pagedlab/checks.py) and solutions ---------------------------------
+from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_kv_generate, check_make_room,  # noqa: E402
+                     check_schedule_step, check_token_slot, reference_step, run_toy, show_solution,
+                     solutions_on)
+
+
+def exercise_solutions(name: str, namespace: dict, show: bool | None = None) -> None:
+    """The exercises' solutions, notebooks/solutions/{name}.py: printed and run in the notebook's
+    namespace when show=True or PAGEDLAB_SOLUTIONS=1; otherwise only says where they are."""
+    from pathlib import Path
+    show = solutions_on() if show is None else show
+    path = next((p for p in (Path.cwd() / "solutions" / f"{name}.py",
+                             Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / f"{name}.py")
+                 if p.exists()), None)
+    if path is None:
+        print(f"solutions/{name}.py is not here: see notebooks/solutions/ in the repository")
+    elif not show:
+        print(f"Try the exercises first. To see (and run) the solutions: "
+              f"course.exercise_solutions({name!r}, globals(), show=True)")
+    else:
+        print(path.read_text())
+        exec(compile(path.read_text(), str(path), "exec"), namespace)
+
+
+def time_ms(fn, repeat: int = 5, warmup: int = 1):
+    """Time fn() on the host: `warmup` untimed calls, then `repeat` timed ones (synchronizing a GPU).
+    Returns (median ms, spread ms = slowest - fastest): quote the median, judge it by the spread."""
+    import statistics
+    import time
+    import torch
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), max(times) - min(times)

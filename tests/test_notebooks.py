@@ -1,4 +1,6 @@
-"""The notebooks: each runs top to bottom (nbclient), and none is committed with outputs.
+"""The notebooks: each runs top to bottom (nbclient) with the solutions filled in (PAGEDLAB_SOLUTIONS=1),
+each with pieces to write stops at its first check when the stubs are untouched, and none is
+committed with outputs.
 
 On a machine without CUDA: PAGEDLAB_SMALL=1 (tiny random model, tiny workloads) and
 TRITON_INTERPRET=1 (Triton cells run in the interpreter). With CUDA the environment is left as it
@@ -61,8 +63,12 @@ def test_notebook_structure():
         assert "PAGEDLAB_PIP" in code and "choose_model()" in code, f"{path.name}: no set-up/parameters cell"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
+def _check_cells(nb) -> list[int]:
+    """Indices of the code cells that check a piece the learner writes (course.check_*)."""
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "course.check_" in c.source]
+
+
+def _client(path, monkeypatch, solutions: bool):
     import ipykernel  # noqa: F401  (a missing test dependency must fail, not skip)
     import nbclient
     import nbformat
@@ -73,12 +79,59 @@ def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("TQDM_DISABLE", "1")
+    if solutions:
+        monkeypatch.setenv("PAGEDLAB_SOLUTIONS", "1")
+    else:
+        monkeypatch.delenv("PAGEDLAB_SOLUTIONS", raising=False)
     budget = BUDGET_S.get(path.stem[:2], DEFAULT_BUDGET_S) * float(os.environ.get("PAGEDLAB_NB_BUDGET_SCALE", "1"))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=int(budget * 2), kernel_name="python3",
                                      resources={"metadata": {"path": str(NB_DIR)}})
+    return nb, client, budget
+
+
+def _text(cell) -> str:
+    return "".join(o.get("text", "") + str(o.get("evalue", "")) + "".join(o.get("traceback", []))
+                   for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path, monkeypatch):
+    """With PAGEDLAB_SOLUTIONS=1 (every check runs the course's solution, the exercises' solutions
+    run too) each notebook runs top to bottom within its budget, and every check passes."""
+    nb, client, budget = _client(path, monkeypatch, solutions=True)
     t0 = time.perf_counter()
     client.execute()
     elapsed = time.perf_counter() - t0
     print(f"{path.name}: {elapsed:.1f} s")
+    for i in _check_cells(nb):
+        assert "\u2713" in _text(nb.cells[i]), f"{path.name} cell {i}: the check did not report a pass"
     assert elapsed < budget, f"{path.name} took {elapsed:.0f} s, over its {budget:.0f} s budget"
+
+
+STUB_NOTEBOOKS = [p for p in NOTEBOOKS if "course.check_" in p.read_text()]
+
+
+def test_hands_on_notebooks():
+    """The seed's own topics have pieces to write: 07 (allocator, addressing), 08 (the scheduler
+    step), 10 (preemption)."""
+    assert {p.stem[:2] for p in STUB_NOTEBOOKS} >= {"07", "08", "10"}
+
+
+@pytest.mark.parametrize("path", STUB_NOTEBOOKS, ids=[p.stem for p in STUB_NOTEBOOKS])
+def test_notebook_stops_at_first_stub(path, monkeypatch):
+    """As a learner gets it (stubs untouched, no solutions): Run All stops at the first check, with
+    its short message (CheckFailed, no traceback), and not before."""
+    import nbclient.exceptions
+    nb, client, budget = _client(path, monkeypatch, solutions=False)
+    first = _check_cells(nb)[0]
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as e:
+        client.execute()
+    assert e.value.ename == "CheckFailed", (e.value.ename, str(e.value)[-2000:])
+    failed = [i for i, c in enumerate(nb.cells) if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert failed == [first], (failed, first)
+    err = next(o for o in nb.cells[first].outputs if o.output_type == "error")
+    shown = "\n".join(err.traceback)
+    assert "not written yet" in shown and "show_solution" in shown
+    assert "Traceback" not in shown and "File " not in shown, shown       # the message, not a stack
+    assert all(not c.get("outputs") for c in nb.cells[first + 1:] if c.cell_type == "code")

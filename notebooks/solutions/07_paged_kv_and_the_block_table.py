@@ -4,10 +4,12 @@ for bs in (1, 4, 16, 64, 256):
     reserved, done = 0, {}
     for s in trace.steps:
         for rid in s.slot_request:
-            if rid is not None:
+            if rid is not None:                  # prompt + k tokens cached at a request's k-th step
+                reserved += blocks_needed(prompt_len[rid] + done.get(rid, 0), bs) * bs
                 done[rid] = done.get(rid, 0) + 1
-                reserved += blocks_needed(prompt_len[rid] + done[rid], bs) * bs
     print(f"block size {bs:3d}: paged wastes {1 - sum(stored) / reserved:.1%}")
+    if bs == BS:
+        assert reserved == sum(paged)          # the same count as the notebook's
 # 1-token blocks waste nothing, but the block table gets as long as the sequence, the kernels do
 # one table lookup (a dependent memory read) per token instead of per 16, and K/V loads become
 # tiny scattered reads. 16 keeps the waste small and the reads large.

@@ -1,0 +1,96 @@
+"""Solutions to the pieces the notebooks ask you to write (each checked by a course.check_* cell).
+Read one with course.show_solution("name"); PAGEDLAB_SOLUTIONS=1 makes every check use these."""
+from collections import deque
+
+from pagedlab.kv_cache import blocks_needed
+
+
+# -- 05 -----------------------------------------------------------------------------------------
+def generate_with_cache(prompt, n):
+    # uses the notebook's new_cache and run (they drive pagedlab's model by hand)
+    new_cache, run = _notebook("new_cache"), _notebook("run")
+    cache, table = new_cache(len(prompt) + n)
+    out = [int(run(cache, table, prompt, 0).argmax())]             # prefill: the prompt, once
+    work = len(prompt)
+    for _ in range(n - 1):
+        out.append(int(run(cache, table, [out[-1]], len(prompt) + len(out) - 1).argmax()))  # decode
+        work += 1
+    return out, work
+
+
+def _notebook(name):
+    """A name from the running notebook (IPython's user namespace)."""
+    import __main__
+    return getattr(__main__, name)
+
+
+# -- 07 -----------------------------------------------------------------------------------------
+class Allocator:
+    def __init__(self, num_blocks):
+        self.free_list = deque(range(num_blocks))
+        self.owner = {}
+
+    def allocate(self, who, n=1):
+        if n > len(self.free_list):
+            raise RuntimeError(f"out of blocks: need {n}, {len(self.free_list)} free")
+        got = [self.free_list.popleft() for _ in range(n)]
+        self.owner.update({b: who for b in got})
+        return got
+
+    def free(self, blocks):
+        if any(b not in self.owner for b in blocks) or len(set(blocks)) != len(blocks):
+            raise RuntimeError(f"freeing blocks not in use: {blocks}")
+        for b in blocks:
+            del self.owner[b]
+            self.free_list.append(b)
+
+
+def token_slot(row, n, block_size):
+    return row[n // block_size] * block_size + n % block_size
+
+
+# -- 08 -----------------------------------------------------------------------------------------
+def schedule_step(state):
+    bs = state.block_size
+    # 1. room for each running request's next token (oldest first)
+    for seq in state.running:
+        need = blocks_needed(seq.num_tokens, bs) - len(seq.blocks)
+        if need > 0:
+            seq.blocks += state.allocator.allocate(seq.rid, need)
+    # 2. refill free slots from the front of the queue, lowest slot first
+    while state.queue and None in state.slots:
+        seq = state.queue.popleft()
+        seq.blocks = state.allocator.allocate(seq.rid, blocks_needed(seq.num_tokens, bs))
+        state.slots[state.slots.index(None)] = seq
+        state.running.append(seq)
+    ran = [s.rid if s is not None else None for s in state.slots]
+    # 3. every request in a slot makes one token (a prefill makes its first)
+    for seq in state.running:
+        seq.generated += 1
+    # 4. stop -> free
+    for seq in list(state.running):
+        if seq.generated == seq.max_new_tokens:
+            state.allocator.free(seq.blocks)
+            seq.blocks = []
+            state.slots[state.slots.index(seq)] = None
+            state.running.remove(seq)
+            state.finished.append(seq.rid)
+    return ran
+
+
+# -- 10 -----------------------------------------------------------------------------------------
+def make_room(state, seq):
+    need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
+    while need > state.allocator.num_free:
+        victim = state.running[-1]                  # the newest: it has done the least work
+        state.allocator.free(victim.blocks)
+        victim.blocks = []
+        state.slots[state.slots.index(victim)] = None
+        state.running.remove(victim)
+        state.queue.appendleft(victim)              # keeps its tokens; recomputed when it returns
+        state.preempted.append(victim.rid)
+        if victim is seq:
+            return False
+    if need > 0:
+        seq.blocks += state.allocator.allocate(seq.rid, need)
+    return True

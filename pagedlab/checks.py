@@ -1,0 +1,471 @@
+"""The course's checks: each runs a learner's function on random and edge cases against pagedlab's
+own implementation and says what is wrong (which input, expected vs got, a hint).
+
+A failing check raises `CheckFailed`. In Jupyter (IPython) its traceback is replaced by its
+message (`_render_traceback_`), so Run All stops at the first unfinished piece with a short,
+friendly message instead of a stack. A stub that still raises NotImplementedError fails the same way.
+
+With PAGEDLAB_SOLUTIONS=1 (CI, or a learner who wants to move on) a check runs the solution from
+notebooks/solutions/pieces.py instead of the learner's function. Every check returns the function
+that passed, so the notebook continues with it: `schedule_step = course.check_schedule_step(schedule_step)`.
+
+The toy engine state of notebooks 08 and 10 (`Seq`, `EngineState`) is plain Python over pagedlab's
+own `BlockAllocator`: the same queue -> slot -> blocks -> tokens -> stop -> free cycle as
+pagedlab's `Scheduler`, without chunked prefill, token budgets or sampling.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .kv_cache import BlockAllocator, blocks_needed
+
+
+class CheckFailed(Exception):
+    """A check found a mistake. In IPython only the message is shown, not a traceback."""
+
+    def _render_traceback_(self):
+        return [f"\x1b[1;31mCheck failed:\x1b[0m {line}" if i == 0 else line
+                for i, line in enumerate(str(self).splitlines())]
+
+
+def solutions_on() -> bool:
+    return os.environ.get("PAGEDLAB_SOLUTIONS", "0").lower() in ("1", "true", "yes")
+
+
+def _pieces_path() -> Path | None:
+    for p in (Path.cwd() / "solutions" / "pieces.py",
+              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "pieces.py"):
+        if p.exists():
+            return p
+    return None
+
+
+def _load_pieces():
+    path = _pieces_path()
+    if path is None:
+        raise CheckFailed("notebooks/solutions/pieces.py is not here: see notebooks/solutions/ in the repository")
+    spec = importlib.util.spec_from_file_location("pagedlab_course_pieces", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def solution(name: str):
+    """The course's solution of piece `name` (from notebooks/solutions/pieces.py)."""
+    return getattr(_load_pieces(), name)
+
+
+def show_solution(name: str) -> None:
+    """Print the solution of piece `name`, to read (it does not replace yours)."""
+    print(inspect.getsource(solution(name)))
+
+
+def _pick(fn, name: str):
+    if solutions_on():
+        print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
+        return solution(name)
+    return fn
+
+
+def _call(fn, name, *args):
+    """Call the learner's function; a stub or a crash becomes a CheckFailed naming the input."""
+    try:
+        return fn(*args)
+    except CheckFailed:
+        raise
+    except NotImplementedError as e:
+        raise CheckFailed(_not_written(name, e)) from None
+    except Exception as e:
+        raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
+
+
+def _not_written(name, e) -> str:
+    return (f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
+            f"Fill in the cell above and run it, then this check again. Stuck? "
+            f"course.show_solution({name.split('.')[0]!r}) prints one.")
+
+
+def _passed(name: str, what: str) -> None:
+    print(f"\u2713 {name}: {what}")
+
+
+# -- notebook 07: the block allocator and where token n lives ----------------------------------
+
+def check_allocator(cls, trials: int = 40, seed: int = 0):
+    """`cls(num_blocks)` with `.free_list` (a deque), `.owner` (block -> who), `.allocate(who, n)`
+    and `.free(blocks)`, against pagedlab's BlockAllocator on random sequences of operations:
+    the same blocks handed out, the same free list in the same order, the same owners; asking
+    for more blocks than are free, and freeing a block not in use, must raise and change nothing."""
+    cls = _pick(cls, "Allocator")
+    rng = random.Random(seed)
+    for trial in range(trials):
+        n = rng.choice([1, 2, 5, 12])
+        ours, ref = _call(cls, "Allocator", n), BlockAllocator(n)
+        held: dict[str, list[int]] = {}
+        log = [f"Allocator({n})"]
+        for _ in range(rng.randint(3, 25)):
+            free_now = len(ref.free_blocks)
+            if held and rng.random() < 0.4:
+                who = rng.choice(sorted(held))
+                blocks = held.pop(who)
+                if len(blocks) > 1 and rng.random() < 0.3:       # free part of them
+                    k = rng.randint(1, len(blocks) - 1)
+                    blocks, held[who] = blocks[:k], blocks[k:]
+                log.append(f"free({blocks})")
+                ref.free(blocks)
+                _call(ours.free, "Allocator.free", blocks)
+            elif rng.random() < 0.15:
+                bad = rng.choice([b for b in range(n) if b not in ref.owner] or [n + 3])
+                log.append(f"free([{bad}])   # not in use: must raise")
+                _expect_raise(ours, lambda: ours.free([bad]), log,
+                              "freeing a block that is not in use must raise (a double free would hand it out twice)")
+            else:
+                who = f"s{rng.randrange(6)}"
+                k = rng.randint(1, 3) if rng.random() < 0.85 else free_now + rng.randint(1, 2)
+                log.append(f"allocate({who!r}, {k})" + ("   # too many: must raise" if k > free_now else ""))
+                if k > free_now:
+                    _expect_raise(ours, lambda: ours.allocate(who, k), log,
+                                  f"only {free_now} blocks are free: allocate(.., {k}) must raise and take none")
+                else:
+                    want = ref.allocate(who, k)
+                    got = _call(ours.allocate, "Allocator.allocate", who, k)
+                    if list(got or []) != want:
+                        raise CheckFailed(_story(log) + f"allocate returned {got}, expected {want}.\n"
+                                          "Hint: take blocks from the FRONT of the free list (popleft).")
+                    held.setdefault(who, []).extend(want)
+            _compare_allocator(ours, ref, log)
+    _passed("Allocator", f"{trials} random runs match pagedlab's BlockAllocator (blocks, free-list order, owners, errors)")
+    return cls
+
+
+def _expect_raise(ours, op, log, why):
+    before = (list(ours.free_list), dict(ours.owner))
+    try:
+        op()
+    except NotImplementedError as e:
+        raise CheckFailed(_not_written("Allocator", e)) from None
+    except Exception:
+        if (list(ours.free_list), dict(ours.owner)) != before:
+            raise CheckFailed(_story(log) + "it raised, but changed the free list or the owners first.\n"
+                              "Hint: check before you take or give back anything.") from None
+        return
+    raise CheckFailed(_story(log) + f"no error was raised: {why}.")
+
+
+def _compare_allocator(ours, ref, log):
+    if list(ours.free_list) != list(ref.free_blocks):
+        raise CheckFailed(_story(log) + f"free list {list(ours.free_list)}, expected {list(ref.free_blocks)}.\n"
+                          "Hint: allocate pops from the front, free appends to the back, in the order given.")
+    if dict(ours.owner) != ref.owner:
+        raise CheckFailed(_story(log) + f"owners {dict(ours.owner)}, expected {ref.owner}.\n"
+                          "Hint: allocate records who owns each block; free forgets it.")
+
+
+def _story(log, last=12):
+    shown = log if len(log) <= last else [log[0], "..."] + log[-last:]
+    return "after\n    " + "\n    ".join(shown) + "\n"
+
+
+def check_token_slot(fn, trials: int = 200, seed: int = 0):
+    """`fn(row, n, block_size)`: the flat cache slot of token n of a sequence whose block-table
+    row is `row` (its physical blocks in logical order), against pagedlab's `gather_pages`."""
+    import torch
+    from .kernels.paged import gather_pages
+    fn = _pick(fn, "token_slot")
+    rng = random.Random(seed)
+    for t in range(trials):
+        bs = rng.choice([1, 2, 4, 16])
+        num_blocks = rng.randint(1, 9)
+        length = rng.randint(1, num_blocks * bs) if t else num_blocks * bs      # first: a full row
+        row = rng.sample(range(num_blocks + 3), blocks_needed(length, bs))
+        pool = torch.arange((num_blocks + 3) * bs).reshape(num_blocks + 3, bs, 1, 1)   # the slot numbers
+        want = gather_pages(pool, torch.tensor([row], dtype=torch.int32))[0, :length].flatten().tolist()
+        for n in sorted({0, length - 1, rng.randrange(length), min(bs, length - 1)}):
+            got = _call(fn, "token_slot", list(row), n, bs)
+            if got != want[n]:
+                raise CheckFailed(f"token_slot(row={row}, n={n}, block_size={bs}) = {got}, expected {want[n]}.\n"
+                                  f"Hint: token {n} is in logical block {n // bs} (physical {row[n // bs]}), "
+                                  f"row {n % bs} inside it.")
+    _passed("token_slot", f"{trials} random block tables agree with pagedlab's gather_pages")
+    return fn
+
+
+# -- notebooks 08 and 10: one scheduler step over plain Python objects -------------------------
+
+@dataclass(eq=False)
+class Seq:
+    """A request, reduced to what the scheduler needs. `generated` tokens so far; `blocks` are
+    its physical KV blocks in logical order."""
+    rid: int
+    prompt_len: int
+    max_new_tokens: int
+    generated: int = 0
+    blocks: list = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:         # tokens whose K/V the cache holds once this step has run
+        return self.prompt_len + self.generated
+
+    def __repr__(self):
+        return f"Seq(rid={self.rid}, prompt_len={self.prompt_len}, generated={self.generated}/{self.max_new_tokens})"
+
+
+@dataclass
+class EngineState:
+    """Everything a step reads and changes. `queue`: waiting Seqs, front first; `slots`: the Seq in
+    each slot or None; `running`: the Seqs in slots in the order they got their slot (oldest
+    first); `allocator`: pagedlab's BlockAllocator; `finished` and `preempted`: request ids, in
+    order (preempted: this step's victims, reset by the step's caller)."""
+    queue: deque
+    slots: list
+    running: list
+    allocator: BlockAllocator
+    block_size: int = 16
+    finished: list = field(default_factory=list)
+    preempted: list = field(default_factory=list)
+
+    @classmethod
+    def new(cls, workload, num_slots: int, num_blocks: int, block_size: int = 16) -> "EngineState":
+        """workload: a list of (prompt_len, max_new_tokens); request ids are the positions."""
+        return cls(deque(Seq(i, p, m) for i, (p, m) in enumerate(workload)), [None] * num_slots, [],
+                   BlockAllocator(num_blocks), block_size)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(s is not None for s in self.slots)
+
+
+def reference_step(state: EngineState, make_room=None) -> list:
+    """One step as pagedlab's Scheduler takes it (no chunking, no budget): room for each running
+    request's next token (oldest first; `make_room` preempts when the pool is out), then free slots
+    filled from the queue (lowest slot first, while the front request's blocks fit), then every
+    request in a slot makes one token; those that are done stop and free their blocks.
+    Returns the request id in each slot as the step ran (None: idle)."""
+    make_room = make_room or _reference_make_room
+    for seq in list(state.running):
+        if seq in state.running:
+            make_room(state, seq)
+    while state.queue and None in state.slots:
+        seq = state.queue[0]
+        if blocks_needed(seq.num_tokens, state.block_size) > state.allocator.num_free:
+            break
+        state.queue.popleft()
+        seq.blocks = state.allocator.allocate(seq.rid, blocks_needed(seq.num_tokens, state.block_size))
+        state.slots[state.slots.index(None)] = seq
+        state.running.append(seq)
+    ran = [s.rid if s is not None else None for s in state.slots]
+    for seq in list(state.running):
+        seq.generated += 1
+    for seq in list(state.running):
+        if seq.generated >= seq.max_new_tokens:
+            state.allocator.free(seq.blocks)
+            seq.blocks = []
+            state.slots[state.slots.index(seq)] = None
+            state.running.remove(seq)
+            state.finished.append(seq.rid)
+    return ran
+
+
+def _reference_make_room(state, seq) -> bool:
+    need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
+    while need > state.allocator.num_free:
+        victim = state.running[-1]
+        state.allocator.free(victim.blocks)
+        victim.blocks = []
+        state.slots[state.slots.index(victim)] = None
+        state.running.remove(victim)
+        state.queue.appendleft(victim)
+        state.preempted.append(victim.rid)
+        if victim is seq:
+            return False
+    if need > 0:
+        seq.blocks += state.allocator.allocate(seq.rid, need)
+    return True
+
+
+def pagedlab_schedule(workload, num_slots: int, num_blocks: int, block_size: int = 16):
+    """pagedlab's own Scheduler on the workload, driven with dummy tokens (no model): per step,
+    what ran and the state after it (see _snapshot)."""
+    from .request import Request
+    from .sampling import SamplingParams
+    from .scheduler import Scheduler
+    sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=num_slots,
+                      max_model_len=10**6, max_num_batched_tokens=10**6, record_views=True)
+    for i, (p, m) in enumerate(workload):
+        sched.add(Request(request_id=i, prompt_token_ids=[5] * p,
+                          params=SamplingParams(max_new_tokens=m, ignore_eos=True), seed=0))
+    steps, finished = [], []
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.accept(batch, [7] * len(batch.sampled))
+        finished += [r.request_id for r in sched.take_finished()]
+        steps.append(dict(ran=batch.view["slot_request"], preempted=batch.view["preempted"],
+                          **_snapshot_pagedlab(sched, finished)))
+        if len(steps) > 100_000:
+            raise RuntimeError("pagedlab's scheduler did not finish")
+    return steps
+
+
+def _snapshot_pagedlab(sched, finished):
+    return dict(queue=[r.request_id for r in sched.waiting],
+                rows=[len(r.blocks) if r else 0 for r in sched.slots],
+                generated={r.request_id: len(r.output_token_ids) for r in sched.slots if r},
+                pool_used=sched.allocator.num_used, finished=sorted(finished))
+
+
+def _snapshot_toy(state):
+    return dict(queue=[s.rid for s in state.queue],
+                rows=[len(s.blocks) if s else 0 for s in state.slots],
+                generated={s.rid: s.generated for s in state.slots if s},
+                pool_used=state.allocator.num_used, finished=sorted(state.finished))
+
+
+_WHAT = {"ran": "requests in the slots as the step ran", "preempted": "requests preempted in the step",
+         "queue": "queue after the step", "rows": "blocks held per slot after the step",
+         "generated": "tokens generated per running request after the step",
+         "pool_used": "blocks in use after the step", "finished": "finished requests after the step"}
+
+
+def run_toy(workload, num_slots, num_blocks, step_fn, block_size=16, name="step", make_room=None):
+    """Run `step_fn(state)` (or reference_step with `make_room`) until the work is done and
+    compare every step with pagedlab's Scheduler on the same workload. Returns the steps
+    (what ran in each). Raises CheckFailed at the first difference."""
+    want = pagedlab_schedule(workload, num_slots, num_blocks, block_size)
+    state = EngineState.new(workload, num_slots, num_blocks, block_size)
+    setup = (f"workload (prompt_len, max_new_tokens) = {list(workload)}, {num_slots} slots, "
+             f"{num_blocks} blocks of {block_size} tokens")
+    ran_steps = []
+    for t, w in enumerate(want):
+        if not state.has_work():
+            raise CheckFailed(f"{setup}:\nyour run ended after {t} steps; pagedlab's takes {len(want)}.\n"
+                              "Hint: a request stops when it has made max_new_tokens tokens, not before.")
+        state.preempted = []
+        if make_room is None:
+            ran = _call(step_fn, name, state)
+        else:
+            ran = _call(reference_step, name, state, _wrap_room(make_room, name))
+        got = dict(ran=list(ran) if ran is not None else None, preempted=state.preempted, **_snapshot_toy(state))
+        for key in ("preempted", "queue", "ran", "generated", "rows", "pool_used", "finished"):
+            if got[key] != w[key]:
+                raise CheckFailed(f"{setup}:\nat step {t}, {_WHAT[key]}: got {got[key]}, expected {w[key]}."
+                                  f"\n{_hint(key)}")
+        ran_steps.append(got["ran"])
+    if state.has_work():
+        raise CheckFailed(f"{setup}:\npagedlab's run ends after {len(want)} steps, yours still has work "
+                          f"(queue {[s.rid for s in state.queue]}, slots {[s and s.rid for s in state.slots]}).")
+    return ran_steps
+
+
+def _wrap_room(make_room, name):
+    def room(state, seq):
+        return _call(make_room, name, state, seq)
+    return room
+
+
+def _hint(key):
+    return {"ran": "Hint: first make room for the running requests, then fill free slots from the front of "
+                   "the queue, lowest slot first; return the request id in each slot (None if idle).",
+            "preempted": "Hint: when the pool has too few free blocks, preempt state.running[-1] (the newest) "
+                         "and record its rid in state.preempted; stop when the request itself was preempted.",
+            "generated": "Hint: every request in a slot makes exactly one token per step, its prefill step included.",
+            "rows": "Hint: a request holds blocks_needed(seq.num_tokens, block_size) blocks: its prompt's at "
+                    "admission, one more when a new token crosses into the next block.",
+            "pool_used": "Hint: allocate through state.allocator, and free a request's blocks when it stops "
+                         "(or is preempted).",
+            "queue": "Hint: take requests from the front (popleft); a preempted request goes back to the "
+                     "FRONT (appendleft) and keeps its generated tokens.",
+            "finished": "Hint: a request stops when generated == max_new_tokens: free its blocks, empty its slot, "
+                        "remove it from state.running and append its rid to state.finished."}[key]
+
+
+def _workloads(rng, n, tight=False):
+    out = []
+    for _ in range(n):
+        k = rng.randint(1, 9)
+        out.append([(rng.choice([1, 15, 16, 17, rng.randint(2, 40)]), rng.randint(1, 12 if not tight else 40))
+                    for _ in range(k)])
+    return out
+
+
+def check_schedule_step(fn, trials: int = 30, seed: int = 0):
+    """`fn(state)`: one engine step with blocks to spare (notebook 08), against pagedlab's
+    Scheduler on edge cases (one request, more slots than requests, prompts at block boundaries,
+    max_new_tokens=1) and random workloads."""
+    fn = _pick(fn, "schedule_step")
+    rng = random.Random(seed)
+    cases = [([(5, 3)], 1), ([(16, 2), (17, 1), (1, 4)], 4), ([(3, 5), (3, 1), (3, 2), (3, 6), (3, 1)], 2)]
+    cases += [(w, rng.randint(1, 4)) for w in _workloads(rng, trials)]
+    for workload, slots in cases:
+        run_toy(workload, slots, 4096, fn, name="schedule_step")
+    _passed("schedule_step", f"{len(cases)} workloads step for step equal to pagedlab's Scheduler")
+    return fn
+
+
+def check_make_room(fn, trials: int = 40, seed: int = 0):
+    """`fn(state, seq)`: make room in the pool for running `seq`'s next token, preempting the newest
+    running request as often as needed (notebook 10); True if `seq` keeps its slot. Plugged into
+    reference_step and compared with pagedlab's Scheduler on pools too small for the workload."""
+    fn = _pick(fn, "make_room")
+    rng = random.Random(seed)
+    cases = [([(14, 6), (14, 6)], 2, 2), ([(20, 30), (20, 30), (5, 40)], 3, 5)]
+    for w in _workloads(rng, trials, tight=True):
+        biggest = max(blocks_needed(p + m, 16) for p, m in w)
+        cases.append((w, rng.randint(1, 4), biggest + rng.randint(0, 3)))
+    preemptions = 0
+    for workload, slots, blocks in cases:
+        run_toy(workload, slots, blocks, None, name="make_room", make_room=fn)
+        preemptions += sum(len(s["preempted"]) for s in pagedlab_schedule(workload, slots, blocks))
+    _passed("make_room", f"{len(cases)} tight pools ({preemptions} preemptions) step for step equal to pagedlab's Scheduler")
+    return fn
+
+
+# -- notebook 05: the decode loop over a KV cache ------------------------------------------------
+
+def check_kv_generate(fn, llm, cases=None, seed: int = 0):
+    """`fn(prompt, n)` -> (n greedy token ids, token-positions computed), driving `llm.model` by
+    hand over a KV cache: the same tokens as pagedlab's engine, and the model fed exactly
+    len(prompt) + n - 1 positions (the prompt once, then one token per step) -- counted by
+    wrapping llm.model.forward, so a loop that recomputes the sequence fails."""
+    from .sampling import SamplingParams
+    fn = _pick(fn, "generate_with_cache")
+    rng = random.Random(seed)
+    cases = cases or [(1, 1), (15, 3), (16, 2), (17, 4), (rng.randint(2, 30), rng.randint(1, 6))]
+    model = llm.model
+    real_forward = model.forward
+    fed = []
+
+    def counting_forward(ids, *args, **kwargs):
+        fed.append(int(ids.numel()))
+        return real_forward(ids, *args, **kwargs)
+
+    for plen, n in cases:
+        prompt = [rng.randrange(3, min(500, llm.config.vocab_size)) for _ in range(plen)]
+        want = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
+        fed.clear()
+        model.forward = counting_forward
+        try:
+            got = _call(fn, "generate_with_cache", list(prompt), n)
+        finally:
+            model.forward = real_forward
+        where = f"generate_with_cache(prompt of {plen} tokens, n={n})"
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise CheckFailed(f"{where} returned {got!r}: return (tokens, work).")
+        toks, work = got
+        if list(toks) != want:
+            raise CheckFailed(f"{where}: tokens {list(toks)}, pagedlab's engine gives {want}.\n"
+                              "Hint: the prefill feeds the prompt at positions 0..P-1 and its last logits give "
+                              "token 1; each decode feeds the previous token at position P + i - 1.")
+        if sum(fed) != plen + n - 1:
+            raise CheckFailed(f"{where}: the model was fed {sum(fed)} token-positions in {len(fed)} calls "
+                              f"({fed}); with a cache it needs {plen + n - 1}: the prompt once, then one "
+                              "token per step.\nHint: make one cache before the loop and keep it.")
+        if work != sum(fed):
+            raise CheckFailed(f"{where}: you counted {work} token-positions, the model was fed {sum(fed)}.")
+    _passed("generate_with_cache", f"{len(cases)} prompts: the engine's tokens, the prompt computed once "
+            "and one position per step")
+    return fn

@@ -1,0 +1,244 @@
+"""The course's checks (pagedlab/checks.py): each passes on the course's solution (which is
+checked against pagedlab's own implementation) and fails, with a message that says what is wrong,
+on a stub and on planted bugs."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pagedlab import checks
+from pagedlab.kv_cache import blocks_needed
+
+PIECES = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "pieces.py"
+
+
+@pytest.fixture(scope="module")
+def sol():
+    spec = importlib.util.spec_from_file_location("pieces_for_tests", PIECES)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _no_solutions(monkeypatch):
+    monkeypatch.delenv("PAGEDLAB_SOLUTIONS", raising=False)
+
+
+def fails(check, fn, *words):
+    with pytest.raises(checks.CheckFailed) as e:
+        check(fn)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+def stub(*args):
+    raise NotImplementedError("fill me in")
+
+
+@pytest.mark.parametrize("name", ["Allocator", "token_slot", "schedule_step", "make_room"])
+def test_solutions_pass_and_are_returned(sol, name, capsys):
+    check = {"Allocator": checks.check_allocator, "token_slot": checks.check_token_slot,
+             "schedule_step": checks.check_schedule_step, "make_room": checks.check_make_room}[name]
+    assert check(getattr(sol, name)) is getattr(sol, name)
+    assert "\u2713" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check", [checks.check_allocator, checks.check_token_slot,
+                                   checks.check_schedule_step, checks.check_make_room])
+def test_stub_fails_with_a_friendly_message(check):
+    msg = fails(check, stub, "not written yet", "fill me in")
+    assert "Traceback" not in msg
+
+
+def test_failure_renders_without_traceback_in_ipython():
+    lines = checks.CheckFailed("first line\nsecond").\
+        _render_traceback_()
+    assert len(lines) == 2 and "first line" in lines[0] and lines[1] == "second"
+
+
+def test_solutions_switch_uses_the_course_solution(monkeypatch, sol):
+    monkeypatch.setenv("PAGEDLAB_SOLUTIONS", "1")
+    got = checks.check_schedule_step(stub)
+    assert got is not stub and got.__name__ == "schedule_step"
+
+
+# -- planted bugs ----------------------------------------------------------------------------------
+
+def test_allocator_bugs(sol):
+    class Stack(sol.Allocator):                       # hands out the most recently freed block first
+        def allocate(self, who, n=1):
+            if n > len(self.free_list):
+                raise RuntimeError("out")
+            got = [self.free_list.pop() for _ in range(n)]
+            self.owner.update({b: who for b in got})
+            return got
+    fails(checks.check_allocator, Stack, "allocate returned", "FRONT")
+
+    class NoDoubleFreeCheck(sol.Allocator):
+        def free(self, blocks):
+            for b in blocks:
+                self.owner.pop(b, None)
+                self.free_list.append(b)
+    fails(checks.check_allocator, NoDoubleFreeCheck, "not in use")
+
+    class HalfTaken(sol.Allocator):                   # takes what there is, then complains
+        def allocate(self, who, n=1):
+            got = []
+            for _ in range(n):
+                if not self.free_list:
+                    raise RuntimeError("out")
+                got.append(self.free_list.popleft())
+                self.owner[got[-1]] = who
+            return got
+    fails(checks.check_allocator, HalfTaken, "changed the free list")
+
+    class Unrecorded(sol.Allocator):
+        def allocate(self, who, n=1):
+            if n > len(self.free_list):
+                raise RuntimeError("out")
+            return [self.free_list.popleft() for _ in range(n)]
+
+        def free(self, blocks):
+            self.free_list.extend(blocks)
+    fails(checks.check_allocator, Unrecorded, "after")
+
+
+def test_token_slot_bugs():
+    fails(checks.check_token_slot, lambda row, n, bs: row[n // bs] * bs, "expected", "Hint")
+    fails(checks.check_token_slot, lambda row, n, bs: n // bs * bs + n % bs, "expected")   # ignores the table
+
+
+def test_schedule_step_bugs(sol):
+    def highest_slot_first(state):
+        state.slots.reverse()
+        try:
+            return sol.schedule_step(state)
+        finally:
+            state.slots.reverse()
+    fails(checks.check_schedule_step, highest_slot_first, "at step", "expected")
+
+    def never_frees(state):
+        real = state.allocator.free
+        state.allocator.free = lambda blocks: None
+        try:
+            return sol.schedule_step(state)
+        finally:
+            state.allocator.free = real
+    fails(checks.check_schedule_step, never_frees, "blocks in use", "free")
+
+    def no_block_growth(state):               # blocks for the prompt only: never a block for a new token
+        saved = {id(s): len(s.blocks) for s in state.running}
+        ran = sol.schedule_step(state)
+        for s in state.running:                 # give back what step 1 took for decodes
+            extra = len(s.blocks) - saved.get(id(s), len(s.blocks))
+            if extra > 0:
+                state.allocator.free(s.blocks[-extra:])
+                del s.blocks[-extra:]
+        return ran
+    fails(checks.check_schedule_step, no_block_growth, "blocks held per slot")
+
+    def one_token_short(state):
+        for seq in list(state.queue):
+            seq.max_new_tokens += 1 if seq.generated == 0 and not hasattr(seq, "_seen") else 0
+            seq._seen = True
+        return sol.schedule_step(state)
+    fails(checks.check_schedule_step, one_token_short, "expected")
+
+
+def test_make_room_bugs(sol):
+    def oldest(state, seq):
+        need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
+        while need > state.allocator.num_free:
+            victim = state.running[0]
+            state.allocator.free(victim.blocks)
+            victim.blocks = []
+            state.slots[state.slots.index(victim)] = None
+            state.running.remove(victim)
+            state.queue.appendleft(victim)
+            state.preempted.append(victim.rid)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.blocks += state.allocator.allocate(seq.rid, need)
+        return True
+    fails(checks.check_make_room, oldest, "preempted", "newest")
+
+    def back_of_queue(state, seq):
+        n = len(state.queue)
+        kept = sol.make_room(state, seq)
+        while len(state.queue) > n:              # move the victims to the back
+            state.queue.rotate(-1)
+            n += 1
+        return kept
+    fails(checks.check_make_room, back_of_queue, "queue", "FRONT")
+
+    def forgets_victims(state, seq):
+        kept = sol.make_room(state, seq)
+        state.preempted.clear()
+        return kept
+    fails(checks.check_make_room, forgets_victims, "preempted")
+
+
+# -- notebook 05: the decode loop ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny random model driven by hand, with notebook 05's new_cache and run."""
+    import torch
+    from pagedlab import LLM
+    from pagedlab.attention import AttentionMetadata
+    from pagedlab.kv_cache import KVCache
+    llm = LLM("random:tiny", dtype="float32", show_progress=False)
+    model, c, dev, BS = llm.model, llm.config, llm.model.device, 16
+
+    def i32(x):
+        return torch.tensor(x, dtype=torch.int32, device=dev)
+
+    def new_cache(max_len):
+        n = blocks_needed(max_len, BS)
+        return (KVCache(c.num_layers, n, BS, c.num_kv_heads, c.head_dim, model.dtype, dev),
+                torch.arange(n, dtype=torch.int32, device=dev)[None, :])
+
+    def run(cache, table, ids, start):
+        n, total = len(ids), start + len(ids)
+        pos = torch.arange(start, total, device=dev)
+        slots = table[0, pos // BS].long() * BS + pos % BS
+        empty = table[:0]
+        if n > 1 or start == 0:
+            meta = AttentionMetadata(slots, n, table, i32([0, n]), i32([total]), n, empty, i32([]), 0)
+        else:
+            meta = AttentionMetadata(slots, 0, empty, i32([0]), i32([]), 0, table, i32([total]), total)
+        return model.forward(torch.tensor(ids, device=dev), pos, cache, meta, torch.tensor([n - 1], device=dev))[0]
+
+    return llm, new_cache, run
+
+
+def test_kv_generate(tiny, sol, monkeypatch):
+    import __main__
+    llm, new_cache, run = tiny
+    monkeypatch.setattr(__main__, "new_cache", new_cache, raising=False)   # the solution reads the
+    monkeypatch.setattr(__main__, "run", run, raising=False)               # notebook's helpers
+    assert checks.check_kv_generate(sol.generate_with_cache, llm) is sol.generate_with_cache
+    fails(lambda f: checks.check_kv_generate(f, llm), stub, "not written yet")
+
+    def recomputes(prompt, n):                      # right tokens, no cache
+        ids, work = list(prompt), 0
+        for _ in range(n):
+            cache, table = new_cache(len(ids))
+            work += len(ids)
+            ids.append(int(run(cache, table, ids, 0).argmax()))
+        return ids[len(prompt):], work
+    fails(lambda f: checks.check_kv_generate(f, llm), recomputes, "fed", "one cache")
+
+    def wrong_position(prompt, n):                  # decodes every token at the prompt's end
+        cache, table = new_cache(len(prompt) + n)
+        out = [int(run(cache, table, prompt, 0).argmax())]
+        for _ in range(n - 1):
+            out.append(int(run(cache, table, [out[-1]], len(prompt)).argmax()))
+        return out, len(prompt) + n - 1
+    fails(lambda f: checks.check_kv_generate(f, llm), wrong_position, "pagedlab's engine gives")
