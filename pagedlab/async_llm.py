@@ -60,6 +60,10 @@ class AsyncLLM:
             if not done:
                 self._commands.put(("abort", caller, None))
 
+    def is_alive(self) -> bool:
+        """Is the engine thread running (not shut down, not stopped by an engine failure)?"""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (unfinished requests are aborted)."""
         self._stop.set()

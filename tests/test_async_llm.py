@@ -82,3 +82,17 @@ def test_bad_input_raises_in_the_caller():
     finally:
         allm.shutdown()
     assert len(ok[-1].output.token_ids) == 2
+
+
+def test_health_follows_the_engine_thread():
+    """is_alive() (what the server's /health reports) is True while the engine thread runs, False once
+    it is shut down -- and a server over a stopped engine answers /health with 503."""
+    from fastapi.testclient import TestClient
+    from pagedlab.server.app import build_app
+    allm = AsyncLLM(tiny_llm(max_num_seqs=2, num_blocks=32))
+    client = TestClient(build_app(allm, "tiny"))
+    assert allm.is_alive() and client.get("/health").status_code == 200
+    allm.shutdown()
+    assert not allm.is_alive()
+    r = client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] != "ok"

@@ -165,8 +165,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     @app.get("/health")
     async def health():
-        thread = getattr(async_llm, "_thread", None)
-        alive = thread is None or thread.is_alive()
+        alive = async_llm.is_alive()
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
