@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -273,8 +274,13 @@ def test_wheel_builds_installs_and_runs_the_demo(tmp_path):
     it holds every file of the package; installed into a new venv -- which borrows this
     environment's torch and other libraries through a path entry, not its pagedlab -- it runs the
     demo and the `pagedlab` command from outside the clone with none of the extras importable."""
+    # build from a copy: no build/ left over from an earlier build can add files to the wheel, and
+    # the checkout is left as it is
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".*", "build", "dist", "*.egg-info", "__pycache__", "out"))       # .git, .venv, ...
     dist = tmp_path / "dist"
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(dist)],
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(src), "-w", str(dist)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     (wheel,) = dist.glob("pagedlab-*.whl")
