@@ -1,0 +1,79 @@
+"""The OpenAI-shaped sampling features on the GPU (run on the device machine): penalties and logprobs
+against transformers in fp32, and the captured-graph + overlap engine against the plain one, with
+stop strings, logprobs, penalties and min_p mixed in one stream. Skipped without CUDA."""
+import random
+
+import pytest
+import torch
+
+from helpers import hf_model, random_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    from pagedlab import tiny_config
+    from pagedlab.weights import random_checkpoint
+    return random_checkpoint(tiny_config(VOCAB), 0)
+
+
+def make(ckpt, **kw):
+    from pagedlab import LLM
+    kw.setdefault("max_num_seqs", 5)
+    return LLM(checkpoint=ckpt, device="cuda", dtype="float32", show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(4, VOCAB, torch.Generator().manual_seed(11), lo=3, hi=30)
+
+
+def test_repetition_penalty_and_logprobs_vs_transformers(ckpt, prompts):
+    from pagedlab import SamplingParams
+    llm, hf = make(ckpt), hf_model(ckpt, torch.float32, "cuda")
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.3))
+    for p, o in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False,
+                              repetition_penalty=1.3, eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert o.token_ids == ref
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=4))
+    for p, o in zip(prompts, outs):
+        ids = list(p)
+        for tok, lp in zip(o.token_ids, o.logprobs):
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ids], device="cuda")).logits[0, -1].double(), -1)
+            assert lp.logprob == pytest.approx(float(ref[tok]), abs=1e-3)
+            assert [t for t, _ in lp.top] == ref.topk(4).indices.tolist()
+            ids.append(tok)
+
+
+def test_graphs_and_overlap_match_the_plain_loop_with_every_feature(ckpt):
+    from pagedlab import SamplingParams
+    rng, rnd = torch.Generator().manual_seed(2), random.Random(2)
+    prompts = random_prompts(16, VOCAB, rng, lo=2, hi=40)
+    plain = make(ckpt, cuda_graphs=False)
+    free = plain.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    params = []
+    for o in free:
+        kind = rnd.choice(["greedy", "greedy", "stop", "logprobs", "penalty", "sampled"])
+        kw = dict(max_tokens=rnd.randint(4, 20), ignore_eos=True)
+        if kind == "stop" and len(o.text) > 6:
+            a = rnd.randrange(2, len(o.text) - 2)
+            kw["stop"] = [o.text[a:a + 2]]
+        elif kind == "logprobs":
+            kw["logprobs"] = rnd.randint(0, 4)
+        elif kind == "penalty":
+            kw.update(presence_penalty=0.5, frequency_penalty=0.5)
+        elif kind == "sampled":
+            kw.update(temperature=0.8, seed=rnd.randrange(1000), min_p=0.1, top_k=50)
+        params.append(SamplingParams(**kw))
+    graphs = make(ckpt)
+    assert graphs.engine.runner.graphs is not None and graphs.engine.overlap
+    a, b = plain.generate(prompts, params), graphs.generate(prompts, params)
+    for x, y in zip(a, b):
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+    assert graphs.engine.scheduler.allocator.num_used == 0
