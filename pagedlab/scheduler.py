@@ -128,9 +128,10 @@ class Scheduler:
         caching its full blocks are registered first, so they stay cached for later requests."""
         if self.prefix_caching:
             self._register_full_blocks(req)     # may be interrupted: nothing else has changed yet
-        # last block first: a cached chain is evicted from its end (LRU first), and its start, the
-        # part other requests can share, stays longest (a chain is useless past its first miss)
-        self.allocator.free(req.blocks[::-1])
+        # With prefix caching, last block first: a cached chain is then evicted from its end (LRU
+        # first) and its start, the part other requests can share, stays longest (a chain is
+        # useless past its first miss).
+        self.allocator.free(req.blocks[::-1] if self.prefix_caching else req.blocks)
         req.blocks = []
         req.num_computed = 0
         req.num_registered_blocks = 0
