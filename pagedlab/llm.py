@@ -76,7 +76,8 @@ def gather(outputs: list[RequestOutput]) -> RequestOutput:
 
 
 def make_tokenizer(ckpt):
-    """Llama 3 vocabularies use pagedlab's own Llama 3 tokenizer; other checkpoints their own;
+    """Llama 3 vocabularies use pagedlab's own Llama 3 tokenizer (without llama-models installed: the
+    checkpoint's own tokenizer files, if it has them); other checkpoints their own;
     random weights a byte tokenizer. A checkpoint directory without tokenizer files is an error
     that says what is missing (pass LLM(tokenizer=...) to bring one)."""
     c = ckpt.config
@@ -84,6 +85,8 @@ def make_tokenizer(ckpt):
         try:
             return Llama3Tokenizer()
         except FileNotFoundError:
+            if ckpt.tokenizer_dir is not None and not ckpt.gguf_file:
+                return HFTokenizer(ckpt.tokenizer_dir)      # the checkpoint's own tokenizer files
             if ckpt.tokenizer_dir is None and ckpt.source.startswith("random"):
                 import warnings
                 warnings.warn("llama-models is not installed: random Llama 3 weights get a byte "

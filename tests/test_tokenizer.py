@@ -1,3 +1,5 @@
+import pytest
+
 from conftest import DEMO_PROMPTS
 from pagedlab.tokenizer import (STOP_END_OF_TURN, STOP_EOS, ByteTokenizer, Llama3Tokenizer, find_end_of_turn,
                                 make_stop_token_ids)
@@ -73,3 +75,30 @@ def test_make_stop_token_ids_and_find_end_of_turn():
     assert find_end_of_turn(chatml, specials) == 10            # longest match: <eot>, not <e>
     assert find_end_of_turn(lambda m: 1 / 0, specials) is None
     assert find_end_of_turn(lambda m: "".join(x["content"] + " " for x in m), specials) is None
+
+
+def test_llama3_vocabulary_without_llama_models_uses_the_checkpoints_own_tokenizer(tmp_path, monkeypatch):
+    """A checkpoint directory with a Llama 3-sized vocabulary and its own tokenizer files: when the
+    llama-models package (pagedlab's Llama 3 tokenizer file) is missing, its own files are used
+    instead of failing; without tokenizer files the error still says what to install."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import pagedlab.llm as llm_mod
+
+    def missing():
+        raise FileNotFoundError("llama-models is not installed")
+    monkeypatch.setattr(llm_mod, "Llama3Tokenizer", missing)
+    vocab = {f"w{i}": i for i in range(1000)} | {"<s>": 1000, "</s>": 1001}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            unk_token="w0").save_pretrained(str(tmp_path))
+    cfg = SimpleNamespace(vocab_size=llm_mod.LLAMA3_VOCAB_SIZE, bos_token_id=1000, eos_token_ids=[1001])
+    got = llm_mod.make_tokenizer(SimpleNamespace(config=cfg, tokenizer_dir=str(tmp_path), gguf_file=None,
+                                                 source=str(tmp_path)))
+    assert got.encode("w7 w42 w999", add_bos=False) == [7, 42, 999]
+    with pytest.raises(FileNotFoundError):
+        llm_mod.make_tokenizer(SimpleNamespace(config=cfg, tokenizer_dir=None, gguf_file=None, source="/x"))
