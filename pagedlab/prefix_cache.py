@@ -44,13 +44,15 @@ def block_key(parent: bytes | None, tokens) -> bytes:
     return h.digest()
 
 
-def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, num_blocks: int) -> list[bytes]:
+def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, num_blocks: int,
+                start: int = 0) -> list[bytes]:
     """Grow `keys` (the chain of a sequence's first len(keys) full blocks) to `num_blocks` keys,
-    hashing one block at a time; `tokens` must hold at least num_blocks * block_size tokens.
-    Returns `keys` (extended in place: a request keeps its chain and only hashes new blocks)."""
+    hashing one block at a time. `tokens` holds the sequence's tokens from position `start` (at
+    most len(keys) * block_size) to at least num_blocks * block_size. Returns `keys` (extended in
+    place: a request keeps its chain and only hashes its new blocks)."""
     bs = block_size
     for j in range(len(keys), num_blocks):
-        keys.append(block_key(keys[j - 1] if j else None, tokens[j * bs:(j + 1) * bs]))
+        keys.append(block_key(keys[j - 1] if j else None, tokens[j * bs - start:(j + 1) * bs - start]))
     return keys
 
 

@@ -191,7 +191,10 @@ class Scheduler:
         full = min(req.num_computed, known_tokens(req)) // bs
         if full <= req.num_registered_blocks:
             return
-        keys = extend_keys(req.block_keys, req.all_token_ids, bs, full)
+        keys, prompt = req.block_keys, req.prompt_token_ids
+        a, b, p = len(keys) * bs, full * bs, len(prompt)     # the tokens of the blocks not hashed yet,
+        tokens = prompt[a:b] + req.output_token_ids[max(a - p, 0):max(b - p, 0)]   # not all of them
+        extend_keys(keys, tokens, bs, full, start=a)
         cache = self.allocator.prefix_cache
         for j in range(req.num_registered_blocks, full):
             cache.register(req.blocks[j], keys[j])
