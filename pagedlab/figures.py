@@ -32,6 +32,17 @@ def run_trace(slots: int, policy: str = "continuous", num_blocks: int | None = N
     return llm.trace, outs, prompts, params
 
 
+def run_shared_prefix_trace(slots: int = 4, n: int = 8, seed: int = 2, block_size: int = 8):
+    """Prefix caching on: n requests that start with the same 'system prompt' (3 blocks)."""
+    from .llm import LLM
+    llm = LLM("random:tiny", device="cpu", max_num_seqs=slots, num_blocks=64, block_size=block_size,
+              prefix_caching=True, trace=True, show_progress=False, attention_backend="torch")
+    prompts, params = course.toy_workload(n + 1, seed=seed, prompt_len=(6, 14), new_tokens=(6, 12))
+    system = (prompts[0] * 4)[:3 * block_size]
+    llm.generate([system + p for p in prompts[1:]], params[1:])
+    return llm.trace
+
+
 def fragmentation_numbers(prompts, params, max_model_len: int, block_size: int):
     """Token slots reserved by contiguous per-request allocation (max_model_len each) and by
     paging (whole blocks), against the tokens actually stored, for a set of finished requests."""
@@ -81,6 +92,10 @@ def make_all(out: Path) -> list[Path]:
          "preemption_pool.png")
     save(viz.draw_timeline(tight, title="the same run: preempted requests go back to the queue "
                                         "and are prefilled again"), "preemption_timeline.png")
+    # prefix caching: requests that share a system prompt share its blocks (gold, holder count)
+    shared = run_shared_prefix_trace()
+    best = max(range(len(shared)), key=lambda i: sum(shared[i].block_refs.values()))
+    save(viz.draw_step(shared, best, show_time=False), "prefix_cache_step.png")
     return written
 
 
