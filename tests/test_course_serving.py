@@ -1,0 +1,57 @@
+"""Notebook 11's check (pagedlab/course_serving.py): the course's solution passes and is returned;
+a stub, a parser that decodes chunks, and one that reads the whole body first each fail with a
+message that names the case and gives a hint."""
+import json
+
+import pytest
+
+from pagedlab import course_serving
+from pagedlab.checks import CheckFailed
+
+
+@pytest.fixture(autouse=True)
+def _no_solutions(monkeypatch):
+    monkeypatch.delenv("PAGEDLAB_SOLUTIONS", raising=False)
+
+
+def test_solution_passes_and_is_returned(capsys):
+    sol = course_serving.solution("sse_events")
+    assert course_serving.check_sse_events(sol) is sol
+    assert "\u2713 sse_events" in capsys.readouterr().out
+
+
+def test_solutions_switch_uses_the_course_solution(monkeypatch):
+    monkeypatch.setenv("PAGEDLAB_SOLUTIONS", "1")
+    got = course_serving.check_sse_events(lambda chunks: iter(()))
+    assert got.__name__ == "sse_events"
+
+
+def test_stub_says_not_written():
+    def stub(chunks):
+        raise NotImplementedError("parse the event stream")
+    with pytest.raises(CheckFailed, match="not written yet") as e:
+        course_serving.check_sse_events(stub)
+    assert "show_solution" in str(e.value)
+
+
+def per_chunk(chunks):                   # decodes each network read on its own: cut events break it
+    for c in chunks:
+        for ev in c.decode("utf-8").split("\n\n"):
+            if ev.startswith("data: ") and ev[6:] != "[DONE]":
+                yield json.loads(ev[6:])
+
+
+def whole_body(chunks):                  # right events, but nothing until the stream is over
+    body = b"".join(chunks).decode("utf-8")
+    for ev in body.split("\n\n"):
+        if ev.startswith("data: "):
+            if ev[6:] == "[DONE]":
+                return
+            yield json.loads(ev[6:])
+
+
+@pytest.mark.parametrize("fn, words", [(per_chunk, "Hint:"), (whole_body, "as soon as")])
+def test_wrong_parsers_fail_with_a_hint(fn, words):
+    with pytest.raises(CheckFailed) as e:
+        course_serving.check_sse_events(fn)
+    assert "case:" in str(e.value) and words in str(e.value)
