@@ -61,9 +61,13 @@ for rule in (make_room, make_room_oldest):
         steps += 1
     print(f"{rule.__name__:17s}: {steps} steps, {lost} cached tokens thrown away"
           + ("" if not st.has_work() else " -- and still not done"))
-# Preempting the oldest throws away the most work (its whole long context must be recomputed),
-# and the oldest is the closest to finishing and freeing its blocks. Worse, the re-admitted old
-# request becomes the newest, so two long requests can evict each other again and again.
+# On this workload the two rules come out close (see the two lines above: which victim throws
+# away more depends on how far each had got when the pool ran out). The case against the oldest
+# is the worst case: the oldest running request has usually computed the most (all of it is
+# recomputed), it is the closest to finishing and freeing its blocks, and once re-admitted it is
+# the newest -- so two long requests can evict each other again and again. Newest-first never
+# touches the oldest running request: it always runs to the end, then the next oldest, so every
+# request finishes.
 
 # 3. With the notebook's model: the same preemptions (lengths decide them), and recompute is still
 #    invisible in the tokens. (On a CPU the first 6 requests make the point in seconds.)
