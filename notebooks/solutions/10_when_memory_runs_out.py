@@ -66,8 +66,8 @@ for rule in (make_room, make_room_oldest):
 # is the worst case: the oldest running request has usually computed the most (all of it is
 # recomputed), it is the closest to finishing and freeing its blocks, and once re-admitted it is
 # the newest -- so two long requests can evict each other again and again. Newest-first never
-# touches the oldest running request: it always runs to the end, then the next oldest, so every
-# request finishes.
+# touches the oldest running request (as long as the pool can hold it alone): it runs to the
+# end, then the next oldest does, so every request finishes.
 
 # 3. With the notebook's model: the same preemptions (lengths decide them), and recompute is still
 #    invisible in the tokens. (On a CPU the first 6 requests make the point in seconds.)
