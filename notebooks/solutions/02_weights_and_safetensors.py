@@ -25,6 +25,7 @@ assert all(torch.equal(back[k], v.float()) for k, v in small.items())
 print("the library reads our file back")
 
 # 2. Sizes of Llama-3.2-1B.
+from pagedlab import LLAMA_3_2_1B as L
 n = L.num_parameters()
 for name, bits in (("fp32", 32), ("bf16", 16), ("4-bit", 4)):
     print(f"{name:6} {n * bits / 8 / 1e9:5.2f} GB = {n * bits / 8 / 141e9:.1%} of an H200")
