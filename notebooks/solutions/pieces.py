@@ -24,6 +24,25 @@ def _notebook(name):
     return getattr(__main__, name)
 
 
+# -- 06 -----------------------------------------------------------------------------------------
+def decode_one(q, k, v, row, length, kv_head, scale):
+    import torch
+    block_size = k.shape[1]
+    m, l = float("-inf"), 0.0                       # running max and sum of the online softmax
+    acc = torch.zeros_like(q, dtype=torch.float32)
+    for n in range(length):
+        block = row[n // block_size]                    # the block table: logical -> physical
+        key = k[block, n % block_size, kv_head].float()
+        val = v[block, n % block_size, kv_head].float()
+        s = float(q.float() @ key) * scale
+        m_new = max(m, s)
+        alpha, p = torch.exp(torch.tensor(m - m_new)), torch.exp(torch.tensor(s - m_new))
+        l = l * alpha + p
+        acc = acc * alpha + p * val
+        m = m_new
+    return acc / l
+
+
 # -- 07 -----------------------------------------------------------------------------------------
 class Allocator:
     def __init__(self, num_blocks):
