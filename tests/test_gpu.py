@@ -166,3 +166,21 @@ def test_fp16_triton_graphs_greedy(ckpt, hf_fp32, prompts, bf16_tol):
         total += exact
         print(f"fp16 prompt {len(ids):3d}: argmax of the fp32 reference at {exact}/{NEW_TOKENS} (near-ties {ties})")
     assert total >= 0.9 * NEW_TOKENS * len(prompts)
+
+
+def test_prefix_caching_keeps_greedy_tokens(ckpt, hf_fp32, bf16_tol):
+    """Prompts sharing a 300-token system prompt (and repeats of whole prompts), run on a warm prefix
+    cache against an engine without one: cached KV blocks were computed in other batches and
+    chunks, so bf16 paths may part only at near-ties of the fp32 reference (compare_greedy)."""
+    from pagedlab import SamplingParams
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(0, 128000, (300,), generator=g).tolist()
+    prompts = [system + torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 40, 77, 16)]
+    sp = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    off = make_llm(ckpt, "triton").generate(prompts, sp)
+    cached = make_llm(ckpt, "triton", prefix_caching=True)
+    cached.generate(prompts[:1], sp)                       # the system prompt's blocks, cached
+    on = cached.generate(prompts, sp)
+    assert all(o.num_cached_tokens >= 288 for o in on), [o.num_cached_tokens for o in on]
+    compare_greedy("prefix cache on vs off", prompts, [o.token_ids for o in off], [o.token_ids for o in on],
+                   hf_fp32, bf16_tol)
