@@ -26,18 +26,54 @@ IDLE = "#f2f2f2"
 FREE = "#ffffff"
 SHARED = "#ffd24d"        # a block held by several requests (prefix caching): same colour in every row
 CACHED = "#e3e3e3"        # a block nobody holds that keeps a cached prefix
-_PALETTE = plt.get_cmap("tab20").colors
+MISSING = "#d9d9d9"       # past the end of the pool (only there to fill the grid): hatched grey
+PREEMPT = "#d62728"       # the preemption marker
+
+
+def _make_palette(n: int = 64) -> list:
+    """n colours, all different and none close to another or to the idle/free/shared colours:
+    tab10 first (the familiar ones), then other qualitative matplotlib maps, pale and grey ones out."""
+    import colorsys
+
+    import matplotlib.colors as mc
+    taken = [mc.to_rgb(c) for c in (IDLE, SHARED, CACHED, MISSING)]
+    out = []
+    for name in ("tab10", "tab20b", "tab20c", "Dark2", "Set1", "Paired", "Set2", "Accent", "tab20"):
+        for c in plt.get_cmap(name).colors:
+            rgb = mc.to_rgb(c)
+            _, light, sat = colorsys.rgb_to_hls(*rgb)
+            if sat < 0.25 or light > 0.9:
+                continue
+            if any(sum(abs(a - b) for a, b in zip(rgb, t)) < 0.12 for t in taken + out):
+                continue
+            out.append(rgb)
+    return [mc.to_hex(c) for c in out[:n]]
+
+
+_PALETTE = _make_palette()
+NUM_COLORS = len(_PALETTE)   # request ids 0..63 all get their own colour; then they repeat (the
+                             # number printed on the cells tells requests apart)
 
 
 # ----------------------------------------------------------------------------- colours
 def request_color(rid):
+    """The colour of request `rid`: the same in every panel; distinct for ids 0..NUM_COLORS-1, then
+    it repeats every NUM_COLORS ids (req 64 looks like req 0: read the number on the cell)."""
     if rid is None:
         return IDLE
-    return _PALETTE[(2 * rid) % 20 if (rid // 10) % 2 == 0 else (2 * rid + 1) % 20]
+    return _PALETTE[rid % NUM_COLORS]
 
 
-def _letter(rid) -> str:
-    return "abcdefghijklmnopqrstuvwxyz"[rid % 26]
+def req_name(rid) -> str:
+    """The one name a request has in every drawing: 'req 7'."""
+    return f"req {rid}"
+
+
+def _ink(color) -> str:
+    """Black or white text, whichever reads better on `color`."""
+    import matplotlib.colors as mc
+    r, g, b = mc.to_rgb(color)
+    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
 
 
 def _tidy(fig, ax, tight: bool = True):
@@ -57,21 +93,42 @@ def _new_ax(ax, figsize):
 
 
 # ----------------------------------------------------------------------------- timeline
+def preemption_marks(trace, max_steps: int | None = None) -> list[tuple]:
+    """(column, slot, request id) for every preemption the trace records: the column of the step
+    whose record lists the victim, in the slot the victim held the step before (slot 0 if unknown)."""
+    steps = trace.steps if max_steps is None else trace.steps[:max_steps]
+    marks = []
+    for x, s in enumerate(steps):
+        for rid in s.preempted:
+            prev = steps[x - 1].slot_request if x > 0 else []
+            marks.append((x, prev.index(rid) if rid in prev else 0, rid))
+    return marks
+
+
 def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None = None,
-                  max_steps: int | None = None, letters: bool = True):
+                  max_steps: int | None = None, letters: bool = True, legend: bool = True):
     """Slots (rows) x engine steps (columns), each cell coloured by the request it holds. A
-    prefill cell is hatched and carries the request's capital letter; idle cells are grey."""
+    prefill cell is hatched and carries the request's number; idle cells are grey; a red X on the
+    left edge of a column marks a request preempted at that step, in the slot it had held."""
     steps = trace.steps if max_steps is None else trace.steps[:max_steps]
     n_slots = trace.num_slots
-    fig, ax = _new_ax(ax, (min(14, 2 + 0.18 * len(steps)), 0.5 + 0.45 * n_slots))
+    fig, ax = _new_ax(ax, (min(14, 2 + 0.18 * len(steps)), 0.9 + 0.45 * n_slots))
     for x, s in enumerate(steps):
         for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
             busy = ph is not None
-            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=request_color(rid) if busy else IDLE,
-                                   edgecolor="white", linewidth=0.6,
+            color = request_color(rid) if busy else IDLE
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", linewidth=0.6,
                                    hatch="///" if ph == "prefill" else None))
-            if letters and busy and ph == "prefill" and len(steps) <= 120:
-                ax.text(x + 0.5, y + 0.5, _letter(rid).upper(), ha="center", va="center", fontsize=7)
+            first = ph == "prefill" and (x == 0 or steps[x - 1].slot_request[y] != rid
+                                         or steps[x - 1].slot_phase[y] != "prefill")
+            if letters and busy and first and len(steps) <= 150:
+                ax.text(x + 0.5, y + 0.5, str(rid), ha="center", va="center", fontsize=6.5,
+                        color=_ink(color), fontweight="bold")
+    marks = preemption_marks(trace, max_steps)
+    if marks:
+        ax.scatter([m[0] for m in marks], [m[1] + 0.5 for m in marks], marker="X", s=70,
+                   color=PREEMPT, edgecolor="white", linewidth=0.8, zorder=5, gid="preemption",
+                   clip_on=False)
     if cursor is not None:
         ax.axvline(cursor + 0.5, color="black", linewidth=1.5)
     ax.set_xlim(0, max(1, len(steps)))
@@ -80,7 +137,18 @@ def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None =
     ax.set_xlabel("engine step")
     util = sum(p is not None for s in steps for p in s.slot_phase) / max(1, len(steps) * n_slots)
     ax.set_title(title if title is not None else f"slot timeline: {len(steps)} steps, "
-                 f"{util:.0%} of slot-steps busy (hatched = prefill)", fontsize=10, loc="left")
+                 f"{util:.0%} of slot-steps busy", fontsize=10, loc="left")
+    if legend:
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
+        handles = [Patch(facecolor="white", edgecolor="grey", hatch="///", label="prefill (number = request)"),
+                   Patch(facecolor="#999999", edgecolor="grey", label="decode"),
+                   Patch(facecolor=IDLE, edgecolor="grey", label="idle slot")]
+        if marks:
+            handles.append(Line2D([], [], marker="X", color="white", markerfacecolor=PREEMPT,
+                                  markersize=9, label=f"preempted ({len(marks)})"))
+        ax.legend(handles=handles, fontsize=7, loc="lower right", bbox_to_anchor=(1, 1.0), ncol=4,
+                  frameon=False, borderaxespad=0.1, handlelength=1.6, columnspacing=1.0)
     return _tidy(fig, ax, tight=False)
 
 
@@ -165,50 +233,115 @@ def pool_owners(block_table, slot_request, pool_total: int) -> list:
     return owners
 
 
+SMALL_POOL = 128   # up to this many blocks the pool is a grid of numbered cells; above, a compact bar
+
+
 def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None = None,
-              shared=()):
-    """The KV pool as a grid of physical blocks, coloured by owning request (white = free);
-    blocks in `shared` (held by several requests) in the SHARED colour."""
+              shared=(), numbers: bool | None = None):
+    """The KV pool, one cell per physical block, coloured by the owning request; white = free;
+    blocks in `shared` (held by several requests) in the SHARED colour.
+
+    Up to SMALL_POOL blocks: a grid, each cell numbered with its physical block id (owned cells
+    also name the owner, "7" under the id) -- the cells that only fill out the last row, past the
+    end of the pool, are hatched grey so they cannot be mistaken for free blocks. Above that: a
+    compact bar, one thin column per block, in the same colours, the axis in block ids."""
     n = len(owners)
+    colors = [FREE if rid is None else SHARED if b in shared else request_color(rid)
+              for b, rid in enumerate(owners)]
+    used = sum(o is not None for o in owners)
+    title = title or f"KV pool: {used}/{n} blocks used"
+    if n > SMALL_POOL:                                   # compact bar
+        import matplotlib.colors as mc
+        import numpy as np
+        fig, ax = _new_ax(ax, (10, 1.4))
+        img = np.array([[mc.to_rgb(c) for c in colors]])
+        ax.imshow(img, aspect="auto", extent=(0, n, 1, 0), interpolation="nearest")
+        ax.add_patch(Rectangle((0, 0), n, 1, fill=False, edgecolor="#888888", linewidth=0.8))
+        ax.set_xlim(0, n)
+        ax.set_ylim(1, 0)
+        ax.set_yticks([])
+        ax.set_xlabel("physical block id", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(title, fontsize=10, loc="left")
+        return fig
     ncols = ncols or min(32, max(8, int(n ** 0.5 * 2)))
-    nrows = -(-n // ncols)
+    nrows = max(1, -(-n // ncols))
+    if numbers is None:
+        numbers = ncols <= 32
     fig, ax = _new_ax(ax, (min(12, 0.3 * ncols + 1), 0.3 * nrows + 0.8))
-    for b, rid in enumerate(owners):
+    for b in range(nrows * ncols):
         x, y = b % ncols, b // ncols
-        color = FREE if rid is None else SHARED if b in shared else request_color(rid)
-        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="#cccccc", linewidth=0.5))
-        if rid is not None and ncols <= 32:
-            ax.text(x + 0.5, y + 0.5, _letter(rid), ha="center", va="center", fontsize=6)
+        if b >= n:                                       # past the pool: not a block at all
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=MISSING, edgecolor="white", hatch="////",
+                                   linewidth=0.5, gid="missing"))
+            continue
+        rid = owners[b]
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colors[b], edgecolor="#bbbbbb", linewidth=0.5,
+                               gid="free" if rid is None else "used"))
+        if numbers:
+            ink = "#999999" if rid is None else _ink(colors[b])
+            ax.text(x + 0.5, y + 0.5, str(b) if rid is None else f"{b}\n{rid}", ha="center",
+                    va="center", fontsize=(7 if ncols <= 16 else 5) - (rid is not None), color=ink,
+                    linespacing=0.85)
     ax.set_xlim(0, ncols)
     ax.set_ylim(nrows, 0)
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set_aspect("equal")
-    used = sum(o is not None for o in owners)
-    ax.set_title(title or f"KV pool: {used}/{n} blocks used", fontsize=10, loc="left")
+    ax.set_title(title, fontsize=10, loc="left")
     return fig
 
 
+def _step_legend(fig, s, ax):
+    """One legend for a step: a swatch per request in view (slots, then queue), then the codes."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    seen = []
+    for rid in list(s.slot_request) + list(s.queue):
+        if rid is not None and rid not in seen:
+            seen.append(rid)
+    shown = seen[:16]
+    handles = [Patch(facecolor=request_color(r), label=req_name(r)) for r in shown]
+    if len(seen) > len(shown):
+        handles.append(Patch(facecolor="white", edgecolor="white", label=f"+{len(seen) - len(shown)} more"))
+    handles += [Patch(facecolor="white", edgecolor="grey", hatch="///", label="prefill"),
+                Patch(facecolor=FREE, edgecolor="#bbbbbb", label="free block"),
+                Patch(facecolor=MISSING, edgecolor="white", hatch="////", label="past the pool")]
+    if s.block_refs:
+        handles.append(Patch(facecolor=SHARED, edgecolor="#7a5c00", label="shared block"))
+    handles.append(Line2D([], [], marker="X", color="white", markerfacecolor=PREEMPT, markersize=9,
+                          label="preempted"))
+    ax.axis("off")
+    return ax.legend(handles=handles, loc="upper left", fontsize=7.5, frameon=False,
+                     title="legend", title_fontsize=8, alignment="left", handlelength=1.5)
+
+
 # ----------------------------------------------------------------------------- one step
-def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = True):
-    """Everything at engine step i: the timeline with a cursor, the slots (request, phase), the
-    queue, the block table and the pool -- one figure."""
+def draw_step(trace, i: int, fig=None, max_pool: int | None = None, show_time: bool = True):
+    """Everything at engine step i: the timeline with a cursor (preemptions marked), the slots
+    (request, phase), the queue, the block table, the pool and a legend -- one figure. Every
+    request is called "req N" and has one colour in every panel. (max_pool: kept for old callers;
+    the pool panel now fits any pool size.)"""
     s = trace.steps[i]
     if fig is None:
-        fig = plt.figure(figsize=(12, 6.2))
+        fig = plt.figure(figsize=(13.5, 6.4))
     else:
         fig.clear()
-    gs = fig.add_gridspec(3, 3, height_ratios=[1.1, 1.2, 1.3], width_ratios=[1.2, 1, 1.6],
-                          hspace=0.7, wspace=0.35)
+    gs = fig.add_gridspec(3, 4, height_ratios=[1.1, 1.2, 1.3], width_ratios=[1.2, 1, 1.6, 0.55],
+                          hspace=0.75, wspace=0.6)
     when = f"t = {s.start_s * 1e3:.1f} ms, " if show_time else ""
-    draw_timeline(trace, ax=fig.add_subplot(gs[0, :]), cursor=i, letters=False,
+    draw_timeline(trace, ax=fig.add_subplot(gs[0, :3]), cursor=i, legend=False,
                   title=f"step {i} of {len(trace) - 1}   ({when}{s.num_tokens} tokens through the model)")
+    _step_legend(fig, s, fig.add_subplot(gs[:, 3]))
     # slots
     ax = fig.add_subplot(gs[1, 0])
     for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
         ax.add_patch(Rectangle((0, y), 1, 0.9, facecolor=request_color(rid) if rid is not None else IDLE,
                                edgecolor="grey", hatch="///" if ph == "prefill" else None))
-        label = "free" if rid is None else f"req {rid} ({_letter(rid)}): {ph}"
+        if rid is not None:
+            ax.text(0.5, y + 0.45, str(rid), ha="center", va="center", fontsize=8,
+                    color=_ink(request_color(rid)), fontweight="bold")
+        label = "free" if rid is None else f"{req_name(rid)}: {ph}"
         cached = s.cached_tokens[y] if y < len(s.cached_tokens) else 0
         if rid is not None and cached:
             label += f", {cached} cached"
@@ -225,16 +358,19 @@ def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = Tr
     ax = fig.add_subplot(gs[1, 1])
     q = s.queue[:12]
     for x, rid in enumerate(q):
-        ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=request_color(rid), edgecolor="grey",
-                               hatch="xx" if rid in s.preempted else None))
-        ax.text(x + 0.45, 0.45, _letter(rid), ha="center", va="center", fontsize=8)
+        ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=request_color(rid), edgecolor="grey"))
+        ax.text(x + 0.45, 0.45, str(rid), ha="center", va="center", fontsize=7,
+                color=_ink(request_color(rid)), fontweight="bold")
+        if rid in s.preempted:
+            ax.scatter([x + 0.45], [0.05], marker="X", s=45, color=PREEMPT, edgecolor="white",
+                       zorder=5, clip_on=False)
     ax.set_xlim(0, 12)
     ax.set_ylim(1, 0)
     ax.set_aspect("equal")
     ax.axis("off")
     extra = f" (+{len(s.queue) - 12} more)" if len(s.queue) > 12 else ""
-    pre = f", preempted: {s.preempted}" if s.preempted else ""
-    ax.set_title(f"queue: {len(s.queue)} waiting{extra}{pre}", fontsize=10, loc="left")
+    pre = ("\npreempted this step: " + ", ".join(req_name(r) for r in s.preempted)) if s.preempted else ""
+    ax.set_title(f"queue: {len(s.queue)} waiting, front first{extra}{pre}", fontsize=10, loc="left")
     # block table
     cols = max([len(r) for st in trace.steps for r in st.block_table] + [4])
     caching = s.prefix_queries > 0 or s.block_refs
@@ -246,11 +382,10 @@ def draw_step(trace, i: int, fig=None, max_pool: int = 512, show_time: bool = Tr
     # pool
     ax = fig.add_subplot(gs[2, :2])
     owners = pool_owners(s.block_table, s.slot_request, s.pool_total)
-    shown = owners[:max_pool]
-    draw_pool(shown, ax=ax, ncols=min(32, max(8, -(-len(shown) // 4))), shared=s.block_refs,
+    draw_pool(owners, ax=ax, ncols=min(32, max(8, -(-len(owners) // 4))), shared=s.block_refs,
               title=f"KV pool: {s.pool_used}/{s.pool_total} blocks used"
                     + (f", {len(s.block_refs)} shared, {s.pool_cached} cached" if caching else "")
-                    + (f" (first {max_pool} shown)" if s.pool_total > max_pool else ""))
+                    + ("  (cell: block id / owner)" if len(owners) <= SMALL_POOL else ""))
     return fig
 
 

@@ -91,3 +91,75 @@ def test_overlap_schedule(host, gpu):
             assert g[2] >= h[3] - 1e-12
             if k >= 2:       # the host reads step k-2's token before its work for step k ends
                 assert h[3] >= [s for s in spans if s[0] == "GPU" and s[1] == k - 2][0][3]
+
+
+# ----------------------------------------------------------------------------- the explorer's promises
+def test_palette_distinct_for_64_requests():
+    colors = [viz.request_color(r) for r in range(64)]
+    assert len(set(colors)) == 64
+    assert viz.IDLE not in colors and viz.FREE not in colors and viz.SHARED not in colors
+    assert viz.request_color(64) == viz.request_color(0)          # then it repeats, by id modulo 64
+    assert viz.req_name(7) == "req 7"
+
+
+@pytest.fixture(scope="module")
+def tight_trace():
+    llm = LLM("random:tiny", device="cpu", max_num_seqs=4, num_blocks=9, trace=True,
+              show_progress=False, attention_backend="torch")
+    prompts, params = course.toy_workload(8, seed=3, prompt_len=(10, 30), new_tokens=(20, 40))
+    outs = llm.generate(prompts, params)
+    assert sum(o.num_preemptions for o in outs) > 0                  # the fixture must preempt
+    return llm.trace
+
+
+def test_timeline_marks_preemptions_where_the_trace_records_them(tight_trace):
+    t = tight_trace
+    fig = viz.draw_timeline(t)
+    ax = fig.axes[0]
+    marks = [c for c in ax.collections if c.get_gid() == "preemption"]
+    assert len(marks) == 1
+    xs = sorted(round(float(x)) for x, _ in marks[0].get_offsets())
+    want = sorted(i for i, s in enumerate(t.steps) for _ in s.preempted)
+    assert xs == want and want
+    for x, y in marks[0].get_offsets():             # in the row of the slot the victim held just before
+        x, row = round(float(x)), int(y)
+        assert any(t.steps[x - 1].slot_request[row] == rid for rid in t.steps[x].preempted)
+    assert ax.get_legend() is not None and any("preempted" in tx.get_text() for tx in ax.get_legend().get_texts())
+    plt.close(fig)
+
+
+def test_step_has_legend_naming_requests_and_colours_them_apart(tight_trace):
+    t = tight_trace
+    i = next(i for i, s in enumerate(t.steps) if s.preempted)
+    fig = viz.draw_step(t, i, show_time=False)
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    texts = [tx.get_text() for lg in legends for tx in lg.get_texts()]
+    s = t.steps[i]
+    in_view = {r for r in list(s.slot_request) + list(s.queue) if r is not None}
+    assert {f"req {r}" for r in in_view} <= set(texts)
+    assert "free block" in texts and "past the pool" in texts and "preempted" in texts
+    swatches = {tx.get_text(): h.get_facecolor() for lg in legends
+                for tx, h in zip(lg.get_texts(), lg.legend_handles) if tx.get_text().startswith("req ")}
+    assert len({tuple(c) for c in swatches.values()}) == len(swatches)   # distinct requests, distinct colours
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("n", [9, 64, 100, 1000])
+def test_pool_panel_any_size(n):
+    owners = [None] * n
+    for b in range(0, n, 3):
+        owners[b] = b % 5
+    fig = viz.draw_pool(owners)
+    ax = fig.axes[0]
+    if n <= viz.SMALL_POOL:                 # numbered grid; the cells past the pool are not "free"
+        free = [p for p in ax.patches if p.get_gid() == "free"]
+        missing = [p for p in ax.patches if p.get_gid() == "missing"]
+        assert len(free) == sum(o is None for o in owners)
+        ncols = round(ax.get_xlim()[1])
+        assert len(missing) == (-n) % ncols
+        assert all(p.get_facecolor() != free[0].get_facecolor() for p in missing)
+        assert {tx.get_text().split("\n")[0] for tx in ax.texts} == {str(b) for b in range(n)}
+    else:                                   # a compact bar, one column per block
+        assert ax.images and ax.images[0].get_array().shape[1] == n and not ax.texts
+    assert len(viz.fig_to_png(fig)) > 1000
+    plt.close(fig)
