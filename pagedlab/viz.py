@@ -39,7 +39,10 @@ def _make_palette(n: int = 64) -> list:
     taken = [mc.to_rgb(c) for c in (IDLE, SHARED, CACHED, MISSING)]
     out = []
     for name in ("tab10", "tab20b", "tab20c", "Dark2", "Set1", "Paired", "Set2", "Accent", "tab20"):
-        for c in plt.get_cmap(name).colors:
+        cs = list(plt.get_cmap(name).colors)
+        if name in ("tab20b", "tab20c"):        # 5 hues x 4 shades: hues first, so neighbours differ
+            cs = [cs[4 * h + k] for k in range(4) for h in range(len(cs) // 4)]
+        for c in cs:
             rgb = mc.to_rgb(c)
             _, light, sat = colorsys.rgb_to_hls(*rgb)
             if sat < 0.25 or light > 0.9:
@@ -280,7 +283,8 @@ def draw_pool(owners: list, ax=None, ncols: int | None = None, title: str | None
                                gid="free" if rid is None else "used"))
         if numbers:
             ink = "#999999" if rid is None else _ink(colors[b])
-            ax.text(x + 0.5, y + 0.5, str(b) if rid is None else f"{b}\n{rid}", ha="center",
+            what = f"×{shared[b]}" if b in shared and isinstance(shared, dict) else rid
+            ax.text(x + 0.5, y + 0.5, str(b) if rid is None else f"{b}\n{what}", ha="center",
                     va="center", fontsize=(7 if ncols <= 16 else 5) - (rid is not None), color=ink,
                     linespacing=0.85)
     ax.set_xlim(0, ncols)
@@ -359,7 +363,7 @@ def draw_step(trace, i: int, fig=None, max_pool: int | None = None, show_time: b
     q = s.queue[:12]
     for x, rid in enumerate(q):
         ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=request_color(rid), edgecolor="grey"))
-        ax.text(x + 0.45, 0.45, str(rid), ha="center", va="center", fontsize=7,
+        ax.text(x + 0.45, 0.45, str(rid), ha="center", va="center", fontsize=7 if rid < 10 else 5.5,
                 color=_ink(request_color(rid)), fontweight="bold")
         if rid in s.preempted:
             ax.scatter([x + 0.45], [0.05], marker="X", s=45, color=PREEMPT, edgecolor="white",

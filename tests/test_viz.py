@@ -68,7 +68,9 @@ def test_figures_command(tmp_path):
     from pagedlab import figures
     paths = figures.make_all(tmp_path)
     assert {p.name for p in paths} >= {"slot_timeline.png", "static_vs_continuous.png",
-                                        "block_table.png", "trace_step.png", "preemption_pool.png"}
+                                        "block_table.png", "trace_step.png", "preemption_pool.png",
+                                        "paging_concept.png", "slot_states.png", "preemption_cycle.png",
+                                        "gqa_heads.png", "online_softmax.png", "llama_layer.png"}
     assert all(p.stat().st_size > 5000 for p in paths)
 
 
