@@ -95,7 +95,10 @@ class PhaseTimer:
 
 
 class Engine:
-    def __init__(self, model, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *,
+                 allocator=None, scheduler=None):
+        """allocator / scheduler: plug in your own (plugins.py): a factory taking num_blocks, and a
+        Scheduler subclass or factory with Scheduler's signature. None: pagedlab's own."""
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mc = model.config
@@ -107,9 +110,10 @@ class Engine:
         self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
                                 self.dtype, self.device)
         self.stop_token_ids = stop_tokens(tokenizer, mc)
-        self.scheduler = Scheduler(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
+        extra = {} if allocator is None else dict(allocator=allocator)
+        self.scheduler = (scheduler or Scheduler)(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
-                                   record_views=cfg.trace, prefix_caching=cfg.prefix_caching)
+                                   record_views=cfg.trace, prefix_caching=cfg.prefix_caching, **extra)
         self.scheduler.stop_strings = StopStrings(tokenizer)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
                                   cfg.cuda_graphs)

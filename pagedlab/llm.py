@@ -117,9 +117,22 @@ class LLM:
 
     def __init__(self, model=DEFAULT_MODEL, *, device=None, dtype=None, seed: int = 0,
                  show_progress: bool = True, checkpoint=None, tokenizer=None,
-                 kernel_options: dict | None = None, **engine_kwargs):
+                 kernel_options: dict | None = None, allocator=None, scheduler=None,
+                 decode_kernel=None, **engine_kwargs):
         """kernel_options: launch settings for the Triton kernels (decode_config, prefill_config,
-        gemv_config, pdl), see kernels.select_kernels; the defaults suit the device."""
+        gemv_config, pdl), see kernels.select_kernels; the defaults suit the device.
+
+        Your own pieces in place of pagedlab's (plugins.py; None: pagedlab's own):
+          allocator      a class or factory taking num_blocks: allocate(owner, n) -> n block ids,
+                         free(blocks), and num_free or free_list (notebook 07's Allocator);
+                         prefix_caching=True needs a BlockAllocator's prefix-cache API
+          scheduler      a Scheduler subclass or factory with Scheduler's signature
+                         (plugins.scheduler_with_make_room(make_room): notebook 10's preemption)
+          decode_kernel  a function with kernels.decode_attention_torch's signature
+                         (plugins.decode_kernel_from(decode_one): notebook 06's loop); CUDA graphs
+                         are then off unless cuda_graphs is given"""
+        if decode_kernel is not None:
+            engine_kwargs.setdefault("cuda_graphs", False)
         device, dtype = resolve_device_dtype(device, dtype)
         # a Checkpoint given by hand is checked like a loaded one (shapes, dtypes, finite values)
         self.checkpoint = ckpt = checkpoint.validate() if checkpoint is not None else \
@@ -129,10 +142,13 @@ class LLM:
                                           seed=seed, **engine_kwargs)
         backend = resolve_backend(self.engine_config.attention_backend, device)
         kernels = select_kernels(backend, self.engine_config.decode_variant, **(kernel_options or {}))
+        if decode_kernel is not None:
+            kernels.decode_attention = decode_kernel
         self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, kernels,
                                 max_positions=max_positions(self.engine_config, self.config))
         self.tokenizer = tokenizer or make_tokenizer(ckpt)
-        self.engine = Engine(self.model, self.tokenizer, self.engine_config)
+        self.engine = Engine(self.model, self.tokenizer, self.engine_config,
+                             allocator=allocator, scheduler=scheduler)
 
     @property
     def trace(self):

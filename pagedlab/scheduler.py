@@ -76,7 +76,9 @@ class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 8192, policy: str = "continuous",
                  stop_token_ids: dict[int, str] | None = None, record_views: bool = False,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, allocator=None):
+        """allocator: a class or factory taking num_blocks, used instead of BlockAllocator
+        (plugins.plug_allocator checks and wraps it; prefix caching needs a BlockAllocator's API)."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -86,7 +88,11 @@ class Scheduler:
         self.record_views = record_views
         self.prefix_caching = prefix_caching
         self.stop_strings = None      # stop_strings.StopStrings: stop strings need the tokenizer (engine)
-        self.allocator = BlockAllocator(num_blocks)
+        if allocator is None:
+            self.allocator = BlockAllocator(num_blocks)
+        else:
+            from .plugins import plug_allocator
+            self.allocator = plug_allocator(allocator, num_blocks, prefix_caching)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs
         self.admitted: list[Request] = []     # running requests in the order they got their slot
@@ -201,6 +207,23 @@ class Scheduler:
         req.num_registered_blocks = full
 
     # -- one step -------------------------------------------------------------
+    def make_room(self, req: Request, step: Batch) -> bool:
+        """Blocks for req's next token: while the pool is out, preempt the newest running request
+        (it has done the least work). False if req itself was preempted. The hook to override for
+        another preemption choice (plugins.scheduler_with_make_room plugs in notebook 10's)."""
+        while not self._grow(req, req.num_tokens):
+            victim = self.admitted[-1]
+            self.preempt_in_step(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def preempt_in_step(self, victim: Request, step: Batch) -> None:
+        self.preempt(victim)
+        step.preempted.append(victim)
+        if victim in step.decode:
+            step.decode.remove(victim)
+
     def schedule(self) -> Batch:
         self._settle_leftovers()
         step = Batch()
@@ -211,15 +234,7 @@ class Scheduler:
                 self._register_full_blocks(req)     # blocks filled by the last step: name them
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
-            while not self._grow(req, req.num_tokens):
-                victim = self.admitted[-1]
-                self.preempt(victim)
-                step.preempted.append(victim)
-                if victim in step.decode:
-                    step.decode.remove(victim)
-                if victim is req:
-                    break
-            else:
+            if self.make_room(req, step):
                 req.num_scheduled = 1
                 step.decode.append(req)
         budget = self.max_num_batched_tokens - len(step.decode)
