@@ -38,27 +38,24 @@ def solutions_on() -> bool:
     return os.environ.get("PAGEDLAB_SOLUTIONS", "0").lower() in ("1", "true", "yes")
 
 
-def _pieces_path() -> Path | None:
-    for p in (Path.cwd() / "solutions" / "pieces.py",
-              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / "pieces.py"):
+def pieces_path(pieces_file: str = "pieces.py") -> Path | None:
+    """Where a chapter's piece solutions are: solutions/ beside the notebook, or in the clone."""
+    for p in (Path.cwd() / "solutions" / pieces_file,
+              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / pieces_file):
         if p.exists():
             return p
     return None
 
 
-def _load_pieces():
-    path = _pieces_path()
+def solution(name: str, pieces_file: str = "pieces.py"):
+    """The course's solution of piece `name` (from notebooks/solutions/<pieces_file>)."""
+    path = pieces_path(pieces_file)
     if path is None:
-        raise CheckFailed("notebooks/solutions/pieces.py is not here: see notebooks/solutions/ in the repository")
-    spec = importlib.util.spec_from_file_location("pagedlab_course_pieces", path)
+        raise CheckFailed(f"notebooks/solutions/{pieces_file} is not here: see notebooks/solutions/ in the repository")
+    spec = importlib.util.spec_from_file_location(f"pagedlab_course_{Path(pieces_file).stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
-
-
-def solution(name: str):
-    """The course's solution of piece `name` (from notebooks/solutions/pieces.py)."""
-    return getattr(_load_pieces(), name)
+    return getattr(mod, name)
 
 
 def show_solution(name: str) -> None:

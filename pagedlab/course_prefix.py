@@ -20,12 +20,11 @@ PAGEDLAB_SOLUTIONS=1 the checks run them instead of the learner's code.
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import random
-from pathlib import Path
 
 from .checks import CheckFailed, solutions_on
+from .checks import solution as checks_solution
 from .kv_cache import BlockAllocator, blocks_needed
 from .prefix_cache import hash_chain
 
@@ -34,22 +33,8 @@ PIECES_FILE = "pieces_prefix.py"
 
 # -- the solutions, read from notebooks/solutions/pieces_prefix.py -------------------------------------
 
-def _pieces_path() -> Path | None:
-    for p in (Path.cwd() / "solutions" / PIECES_FILE,
-              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / PIECES_FILE):
-        if p.exists():
-            return p
-    return None
-
-
 def solution(name: str):
-    path = _pieces_path()
-    if path is None:
-        raise CheckFailed(f"notebooks/solutions/{PIECES_FILE} is not here: see notebooks/solutions/ in the repository")
-    spec = importlib.util.spec_from_file_location("pagedlab_course_pieces_prefix", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, name)
+    return checks_solution(name, PIECES_FILE)
 
 
 def show_solution(name: str) -> None:

@@ -16,13 +16,12 @@ PAGEDLAB_SOLUTIONS=1 the check runs it instead of the learner's function.
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import random
-from pathlib import Path
 
 from .checks import CheckFailed, solutions_on
+from .checks import solution as checks_solution
 
 PIECES_FILE = "pieces_serving.py"
 TEXTS = ["Hello", " world", "!", " Paris", "\n", "2 + 2 = 4", " caf\u00e9", " na\u00efve", " \u00fcber",
@@ -32,22 +31,8 @@ TEXTS = ["Hello", " world", "!", " Paris", "\n", "2 + 2 = 4", " caf\u00e9", " na
 
 # -- the solution, read from notebooks/solutions/pieces_serving.py ------------------------------------
 
-def _pieces_path() -> Path | None:
-    for p in (Path.cwd() / "solutions" / PIECES_FILE,
-              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / PIECES_FILE):
-        if p.exists():
-            return p
-    return None
-
-
 def solution(name: str):
-    path = _pieces_path()
-    if path is None:
-        raise CheckFailed(f"notebooks/solutions/{PIECES_FILE} is not here: see notebooks/solutions/ in the repository")
-    spec = importlib.util.spec_from_file_location("pagedlab_course_pieces_serving", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, name)
+    return checks_solution(name, PIECES_FILE)
 
 
 def show_solution(name: str = "sse_events") -> None:
