@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import hf_model, random_prompts
+from helpers import hf_model, mixed_params, random_prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -57,20 +57,7 @@ def test_graphs_and_overlap_match_the_plain_loop_with_every_feature(ckpt):
     prompts = random_prompts(16, VOCAB, rng, lo=2, hi=40)
     plain = make(ckpt, cuda_graphs=False)
     free = plain.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
-    params = []
-    for o in free:
-        kind = rnd.choice(["greedy", "greedy", "stop", "logprobs", "penalty", "sampled"])
-        kw = dict(max_tokens=rnd.randint(4, 20), ignore_eos=True)
-        if kind == "stop" and len(o.text) > 6:
-            a = rnd.randrange(2, len(o.text) - 2)
-            kw["stop"] = [o.text[a:a + 2]]
-        elif kind == "logprobs":
-            kw["logprobs"] = rnd.randint(0, 4)
-        elif kind == "penalty":
-            kw.update(presence_penalty=0.5, frequency_penalty=0.5)
-        elif kind == "sampled":
-            kw.update(temperature=0.8, seed=rnd.randrange(1000), min_p=0.1, top_k=50)
-        params.append(SamplingParams(**kw))
+    params = mixed_params(free, rnd, max_tokens=20)
     graphs = make(ckpt)
     assert graphs.engine.runner.graphs is not None and graphs.engine.overlap
     a, b = plain.generate(prompts, params), graphs.generate(prompts, params)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from helpers import hf_model, random_prompts, tiny_llm
+from helpers import hf_model, mixed_params, random_prompts, tiny_llm
 from pagedlab import SamplingParams
 from pagedlab.weights import random_checkpoint
 from pagedlab import tiny_config
@@ -204,20 +204,7 @@ def test_mixed_features_under_the_overlap_loop_match_the_plain_loop():
     prompts = random_prompts(14, VOCAB, rng, lo=2, hi=25)
     plain = tiny_llm(max_num_seqs=5, num_blocks=64, block_size=4, cuda_graphs=False)
     free = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    params = []
-    for o in free:
-        kind = rnd.choice(["greedy", "stop", "logprobs", "penalty", "sampled"])
-        kw = dict(max_tokens=rnd.randint(4, 16), ignore_eos=True)
-        if kind == "stop" and len(o.text) > 6:
-            a = rnd.randrange(2, len(o.text) - 2)
-            kw["stop"] = [o.text[a:a + 2]]
-        elif kind == "logprobs":
-            kw["logprobs"] = rnd.randint(0, 4)
-        elif kind == "penalty":
-            kw["frequency_penalty"] = 1.0
-        elif kind == "sampled":
-            kw.update(temperature=0.8, seed=rnd.randrange(1000), min_p=0.1)
-        params.append(SamplingParams(**kw))
+    params = mixed_params(free, rnd, max_tokens=16)
     over = tiny_llm(max_num_seqs=5, num_blocks=64, block_size=4, cuda_graphs="eager")
     assert over.engine.overlap
     a, b = plain.generate(prompts, params), over.generate(prompts, params)
