@@ -47,18 +47,38 @@ def max_positions(cfg: EngineConfig, model_config) -> int:
     return cfg.max_model_len or model_config.max_position_embeddings
 
 
-def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype) -> int:
+def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype,
+              num_kv_heads: int | None = None) -> int:
     """Number of KV blocks: given, or a fraction of free device memory (CUDA), or on CPU enough
-    for every slot at max_model_len (capped at CPU_KV_POOL_CAP_BYTES)."""
+    for every slot at max_model_len (capped at CPU_KV_POOL_CAP_BYTES). num_kv_heads: the heads
+    this device holds (fewer under tensor parallelism)."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     per_block = KVCache.bytes_per_block(model_config.num_layers, cfg.block_size,
-                                        model_config.num_kv_heads, model_config.head_dim, dtype)
+                                        num_kv_heads or model_config.num_kv_heads, model_config.head_dim, dtype)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * cfg.memory_fraction) // per_block)
     want = cfg.max_num_seqs * blocks_needed(max_model_len, cfg.block_size)
     return max(1, min(want, CPU_KV_POOL_CAP_BYTES // per_block))
+
+
+def kv_cache_for(model, cfg: EngineConfig) -> KVCache:
+    """The model's paged KV pool: pool_size blocks of this device's KV heads. Under tensor
+    parallelism every rank must hold the same number of blocks: the smallest of them."""
+    mc = model.config
+    longest = min(max_positions(cfg, mc), model.cos_sin.shape[0])
+    heads = getattr(model, "num_kv_heads", mc.num_kv_heads)
+    num_blocks = pool_size(mc, cfg, longest, model.device, model.dtype, heads)
+    if getattr(model, "tp", None) is not None:
+        num_blocks = model.tp.agree_min(num_blocks)
+    return KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim, model.dtype, model.device)
+
+
+def max_model_len(model, cfg: EngineConfig, num_blocks: int) -> int:
+    """The longest sequence this engine holds: asked for (or the model's own limit), and never
+    more than the whole KV pool (a sequence that cannot fit would wait forever)."""
+    return min(max_positions(cfg, model.config), model.cos_sin.shape[0], num_blocks * cfg.block_size)
 
 
 def stop_tokens(tokenizer, model_config) -> dict[int, str]:
@@ -103,20 +123,16 @@ class Engine:
         self.config = cfg = config or EngineConfig()
         mc = model.config
         self.device, self.dtype = model.device, model.dtype
-        self.max_model_len = min(max_positions(cfg, mc), model.cos_sin.shape[0])
-        num_blocks = pool_size(mc, cfg, self.max_model_len, self.device, self.dtype)
-        # A sequence can never outgrow the whole pool: cap its length there (never a deadlock).
-        self.max_model_len = min(self.max_model_len, num_blocks * cfg.block_size)
-        self.kv_cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                self.dtype, self.device)
+        self.kv_cache = kv_cache_for(model, cfg)
+        self.max_model_len = max_len = max_model_len(model, cfg, self.kv_cache.num_blocks)
+        num_blocks = self.kv_cache.num_blocks
         self.stop_token_ids = stop_tokens(tokenizer, mc)
         extra = {} if allocator is None else dict(allocator=allocator)
         self.scheduler = (scheduler or Scheduler)(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
                                    record_views=cfg.trace, prefix_caching=cfg.prefix_caching, **extra)
         self.scheduler.stop_strings = StopStrings(tokenizer)
-        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
-                                  cfg.cuda_graphs)
+        self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
         self._next_id = 0
@@ -178,12 +194,15 @@ class Engine:
 
     def add_checked(self, ids: list[int], text: str | None, params: SamplingParams) -> int:
         """Queue what check_request returned (a request without a seed draws one now)."""
-        seed = params.seed if params.seed is not None else \
-            int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seed_rng))
+        seed = params.seed if params.seed is not None else self.draw_seed()
         req = Request(self._next_id, ids, params, seed, prompt=text)
         self._next_id += 1
         self.scheduler.add(req)
         return req.request_id
+
+    def draw_seed(self) -> int:
+        """The seed of the next request queued without one: [0, 2**31), from EngineConfig.seed."""
+        return int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seed_rng))
 
     def abort(self, request_id: int) -> bool:
         """Cancel a request wherever it is: its blocks are freed and the next step() hands it out
@@ -212,7 +231,9 @@ class Engine:
         try:
             with self.timer("launch"):
                 tokens = self.runner.run(batch)
-        except Exception:                     # not KeyboardInterrupt: that leaves and is retried
+        except Exception as e:                # not KeyboardInterrupt: that leaves and is retried
+            if getattr(e, "fatal", False):    # the tensor-parallel group stopped: nothing to retry
+                raise
             self._isolate(batch)
             return batch
         with self.timer("accept"):
@@ -235,7 +256,9 @@ class Engine:
         try:
             with self.timer("launch"):
                 launch = self.runner.launch(batch, after=ahead)
-        except Exception:
+        except Exception as e:
+            if getattr(e, "fatal", False):
+                raise
             while self._unread:
                 self._read_oldest()
             self._isolate(batch)

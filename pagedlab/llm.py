@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numbers
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -11,6 +12,7 @@ from .config import EngineConfig, resolve_device_dtype
 from .engine import Engine, max_positions
 from .kernels import select_kernels
 from .model import LlamaModel
+from .parallel.shard import check_split
 from .request import Request
 from .sampling import SEED_LIMIT, SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
@@ -112,13 +114,49 @@ def resolve_backend(name: str, device) -> str:
     return name
 
 
+def parallel_sizes(tp, dp) -> tuple[int, int]:
+    for name, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return int(tp), int(dp)
+
+
+def check_parallel_devices(device, world: int) -> None:
+    """T * D ranks need T * D GPUs (cuda:0 ..), or run on the CPU (any number of processes)."""
+    if device.type != "cuda":
+        return
+    if device.index not in (None, 0):
+        raise ValueError(f"a parallel LLM uses cuda:0 .. cuda:{world - 1}; got device {device}")
+    have = torch.cuda.device_count()
+    if have < world:
+        raise ValueError(f"tensor_parallel_size x data_parallel_size = {world} ranks need {world} GPUs; "
+                         f"torch sees {have}")
+
+
+def shutdown_workers(workers, tp: int, dp: int, groups: list) -> None:
+    """Tell every rank to leave -- replicas through the router, tensor-parallel ranks with an empty
+    step -- then join them (parallel/workers.py). Safe to call twice and after a failure."""
+    group, router = groups
+
+    def goodbye():
+        if router is not None:
+            from .parallel.data_parallel import send
+            for k in range(1, dp):
+                send(None, k * tp, router)
+        if group is not None and not group.stopped:
+            group.send_step(None)
+            group.stopped = "this LLM was closed; create a new LLM"
+    workers.shutdown(goodbye)
+
+
 class LLM:
     """LLM(model="smollm2" | "random:tiny" | path | hub id, device=None, dtype=None, **EngineConfig fields)"""
 
     def __init__(self, model=DEFAULT_MODEL, *, device=None, dtype=None, seed: int = 0,
                  show_progress: bool = True, checkpoint=None, tokenizer=None,
                  kernel_options: dict | None = None, allocator=None, scheduler=None,
-                 decode_kernel=None, **engine_kwargs):
+                 decode_kernel=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 **engine_kwargs):
         """kernel_options: launch settings for the Triton kernels (decode_config, prefill_config,
         gemv_config, pdl), see kernels.select_kernels; the defaults suit the device.
 
@@ -130,25 +168,100 @@ class LLM:
                          (plugins.scheduler_with_make_room(make_room): notebook 10's preemption)
           decode_kernel  a function with kernels.decode_attention_torch's signature
                          (plugins.decode_kernel_from(decode_one): notebook 06's loop); CUDA graphs
-                         are then off unless cuda_graphs is given"""
+                         are then off unless cuda_graphs is given
+
+        Beyond one device (parallel/): tensor_parallel_size=T cuts every layer across T ranks,
+        data_parallel_size=D runs D replicas behind a router; T * D processes (this one is rank 0),
+        on GPUs cuda:0 .. cuda:T*D-1. Call close() (or use `with LLM(...) as llm:`) to stop them."""
+        tp, dp = parallel_sizes(tensor_parallel_size, data_parallel_size)
+        if tp * dp > 1 and (allocator is not None or scheduler is not None or decode_kernel is not None):
+            raise ValueError("allocator=, scheduler= and decode_kernel= plug into one process; they "
+                             "cannot be combined with tensor_parallel_size / data_parallel_size > 1")
         if decode_kernel is not None:
             engine_kwargs.setdefault("cuda_graphs", False)
         device, dtype = resolve_device_dtype(device, dtype)
+        if tp * dp > 1:
+            check_parallel_devices(device, tp * dp)
         # a Checkpoint given by hand is checked like a loaded one (shapes, dtypes, finite values)
         self.checkpoint = ckpt = checkpoint.validate() if checkpoint is not None else \
             load_checkpoint(model, seed=seed, show_progress=show_progress)
-        self.config = ckpt.config
-        self.engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
-                                          seed=seed, **engine_kwargs)
-        backend = resolve_backend(self.engine_config.attention_backend, device)
-        kernels = select_kernels(backend, self.engine_config.decode_variant, **(kernel_options or {}))
+        engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
+                                     seed=seed, **engine_kwargs)
+        backend = resolve_backend(engine_config.attention_backend, device)
+        check_split(ckpt.config, tp)
+        tokenizer = tokenizer or make_tokenizer(ckpt)
+        self.tensor_parallel_size, self.data_parallel_size = tp, dp
+        self._workers = self._router = None
+        group = None
+        if tp * dp > 1:
+            from .parallel.workers import Workers, WorldSpec, init_world, send_weights
+            spec = WorldSpec(tp, dp, device.type, engine_config.dtype, ckpt.config, engine_config, backend,
+                             kernel_options, {n: tuple(t.shape) for n, t in ckpt.tensors.items()},
+                             tokenizer=tokenizer if dp > 1 else None)
+            self._workers = workers = Workers(spec)
+            groups = [None, None]            # filled in below; the finalizer reads them when it runs
+            self._close = weakref.finalize(self, shutdown_workers, workers, tp, dp, groups)
+            try:
+                group, self._router = groups[:] = init_world(0, spec)
+                if group is not None:
+                    group.on_failure = workers.failure
+                send_weights(ckpt.tensors, spec, dtype)
+                self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
+                            kernel_options, group)
+            except Exception as e:
+                why = getattr(e, "fatal", False) and str(e) or workers.failure(wait_s=2.0)
+                self._close()
+                if why and not getattr(e, "fatal", False):
+                    from .parallel.group import WorkerFailed
+                    raise WorkerFailed(why) from e
+                raise
+        else:
+            self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
+                        kernel_options, None, allocator=allocator, scheduler=scheduler,
+                        decode_kernel=decode_kernel)
+
+    def _setup(self, config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
+               group, presharded=False, allocator=None, scheduler=None, decode_kernel=None):
+        """Kernels, model (this rank's cut under tensor parallelism), tokenizer and engine."""
+        self.config, self.engine_config, self.tokenizer = config, engine_config, tokenizer
+        kernels = select_kernels(backend, engine_config.decode_variant, **(kernel_options or {}))
         if decode_kernel is not None:
             kernels.decode_attention = decode_kernel
-        self.model = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, kernels,
-                                max_positions=max_positions(self.engine_config, self.config))
-        self.tokenizer = tokenizer or make_tokenizer(ckpt)
-        self.engine = Engine(self.model, self.tokenizer, self.engine_config,
-                             allocator=allocator, scheduler=scheduler)
+        self.model = LlamaModel(config, tensors, device, dtype, kernels,
+                                max_positions=max_positions(engine_config, config), tp=group,
+                                presharded=presharded)
+        self.engine = Engine(self.model, tokenizer, engine_config, allocator=allocator, scheduler=scheduler)
+        self._next_dp_id = 0
+
+    @classmethod
+    def _assemble(cls, config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
+                  group, presharded=True) -> "LLM":
+        """A replica's LLM inside a worker process (parallel/data_parallel.py): built from weights
+        received from rank 0, no loading, no workers of its own to start."""
+        self = cls.__new__(cls)
+        self.checkpoint, self._workers, self._router = None, None, None
+        self.tensor_parallel_size, self.data_parallel_size = group.size if group else 1, 1
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self._setup(config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
+                    group, presharded)
+        return self
+
+    def close(self) -> None:
+        """Stop the worker processes of a parallel LLM (a no-op otherwise, and the second time)."""
+        if self._workers is not None:
+            self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._workers is not None and self._workers.closed:
+            stopped = self.model.tp.stopped if self.model.tp is not None else None
+            raise RuntimeError(stopped or "this LLM was closed (close() stops its parallel workers); "
+                               "create a new LLM")
 
     @property
     def trace(self):
@@ -175,6 +288,7 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        self._check_open()
         eng = self.engine
         checked, counts = [], []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
@@ -185,9 +299,18 @@ class LLM:
                 raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             counts.append(n)
         # n samples of a prompt are n requests (seeds seed, seed + 1, ... when a seed is given)
-        groups = [[eng.add_checked(ids, text, sample_params(sp, j)) for j in range(n)]
-                  for (ids, text, sp), n in zip(checked, counts)]
-        ids = [rid for group in groups for rid in group]
+        items = [(ids, text, sample_params(sp, j)) for (ids, text, sp), n in zip(checked, counts)
+                 for j in range(n)]
+        run = self._run if self._router is None else self._run_replicas
+        outs = iter(run(items, use_tqdm, on_finish))
+        return [gather([next(outs) for _ in range(n)]) for n in counts]
+
+    def _run(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
+        """Queue checked requests (token ids, text, params), step until all finished; their
+        outputs in order. Interrupted: its unfinished requests are aborted; requests that others
+        added and that finish meanwhile are handed back to the engine."""
+        eng = self.engine
+        ids = [eng.add_checked(*item) for item in items]
         wanted, done, others = set(ids), {}, []
         bar = None
         if use_tqdm:
@@ -213,7 +336,51 @@ class LLM:
             eng.scheduler.finished[:0] = others   # not ours: the next engine.step() hands them out
             if bar:
                 bar.close()
-        return [gather([done[rid] for rid in group]) for group in groups]
+        return [done[rid] for rid in ids]
+
+    def _run_replicas(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
+        """Data parallelism: the router. Seeds are drawn here as one engine would draw them, each
+        request goes to the least-loaded replica, replica 0 (this process) runs its share while the
+        others run theirs, and the outputs come back in order (parallel/data_parallel.py)."""
+        from .parallel.data_parallel import RemoteError, assign, recv, request_cost, send
+        from .parallel.group import WorkerFailed
+        eng, tp, dp = self.engine, self.tensor_parallel_size, self.data_parallel_size
+        items = [(ids, text, p if p.seed is not None else replace(p, seed=eng.draw_seed()))
+                 for ids, text, p in items]
+        where = assign([request_cost(ids, p) for ids, _, p in items], dp)
+        shares = [[i for i, r in enumerate(where) if r == k] for k in range(dp)]
+        results = {}
+        try:
+            for k in range(1, dp):
+                send([items[i] for i in shares[k]], k * tp, self._router)
+            sent = True
+        except Exception as e:
+            sent = False
+            why = self._workers.failure(wait_s=2.0)
+            self.close()
+            raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; create a new LLM") from e
+        try:
+            results[0] = self._run([items[i] for i in shares[0]], use_tqdm, on_finish)
+        finally:                 # even when interrupted: collect the others' answers to this call
+            for k in range(1, dp):
+                try:
+                    results[k] = recv(k * tp, self._router) if sent else None
+                except Exception as e:
+                    why = self._workers.failure(wait_s=2.0)
+                    self.close()
+                    raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; "
+                                       "create a new LLM") from e
+        for k in range(1, dp):
+            if isinstance(results[k], RemoteError):
+                raise RuntimeError(f"replica {k} (rank {results[k].rank}) failed:\n{results[k].text}")
+        outs = [None] * len(items)
+        for k in range(dp):
+            for i, out in zip(shares[k], results[k]):
+                outs[i] = replace(out, request_id=self._next_dp_id + i)
+                if on_finish and k > 0:
+                    on_finish(outs[i])
+        self._next_dp_id += len(items)
+        return outs
 
     def stream(self, prompt, params: SamplingParams | None = None, chat: bool = False):
         """Generate one prompt and yield a StreamDelta (new text and token ids) after every step that
@@ -222,6 +389,10 @@ class LLM:
         early (break, an exception, Ctrl-C) aborts the request; requests that others added and
         that finish meanwhile are handed back to the engine."""
         from .streaming import RequestStream
+        self._check_open()
+        if self._router is not None:
+            raise ValueError("stream() runs on one engine: with data_parallel_size > 1 use generate(), "
+                             "or serve each replica as its own server behind a load balancer")
         eng = self.engine
         rid = eng.add_checked(*eng.check_request(prompt, params, chat=chat))
         stream, others = RequestStream(eng.scheduler.requests[rid], self.tokenizer, self.output), []

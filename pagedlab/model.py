@@ -10,6 +10,12 @@ larger matmuls). Each line above is one kernel function (kernels/gemv.py): with 
 step (decode at batch 1) it is ONE launch that streams its weight matrix once, with the norm,
 RoPE, K/V store, SwiGLU and residual add done on the way; with more tokens it is the unfused
 composition (RMSNorm, cuBLAS matmul, RoPE, K/V store ...).
+
+Tensor parallelism (parallel/shard.py): with `tp` (a parallel.group.ParallelGroup) each rank loads
+its cut of every weight -- whole heads of QKV and O, a slice of gate/up and down, a vocabulary
+range of the embedding and LM head -- and the forward adds three things: the embedding and the two
+row-parallel matmuls of each layer (O, down) end in an all-reduce, and the LM head's logits are
+all-gathered into full rows. Everything else, kernels included, runs unchanged on fewer heads.
 """
 from __future__ import annotations
 
@@ -19,17 +25,25 @@ from .attention import AttentionMetadata, attend
 from .config import ModelConfig
 from .kernels import select_kernels
 from .kernels.rope import rope_cos_sin
+from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, tensors: dict, device="cpu", dtype=torch.float32,
-                 kernels=None, max_positions: int | None = None):
+                 kernels=None, max_positions: int | None = None, tp=None, presharded: bool = False):
+        """tp: this rank's tensor-parallel group (None: one device holds the whole model); the
+        tensors are cut here for rank tp.rank, or are that rank's cut already (presharded=True)."""
         self.config = c = config
         self.device, self.dtype = torch.device(device), dtype
         self.kernels = kernels or select_kernels("torch")
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        rank, size = (tp.rank, tp.size) if self.tp else (0, 1)
+        check_split(c, size)
+        self.num_heads, self.num_kv_heads = c.num_heads // size, c.num_kv_heads // size
 
         def w(name):
-            return tensors[name].to(device=self.device, dtype=dtype).contiguous()
+            t = tensors[name] if presharded else shard(tensors[name], split_rule(name), rank, size)
+            return t.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("model.embed_tokens.weight")
         self.layers = []
@@ -62,14 +76,31 @@ class LlamaModel:
         (and with greedy=True also their argmax, the greedy tokens, computed in the LM head)."""
         c, ops = self.config, self.kernels
         t, eps = input_ids.shape[0], c.rms_norm_eps
-        h = self.embed[input_ids]
+        h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
             q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
-                                        k_cache, v_cache, meta.slot_mapping, c.num_heads)
+                                        k_cache, v_cache, meta.slot_mapping, self.num_heads)
             o = attend(ops, q, k_cache, v_cache, meta, self.scale)
-            h = ops.linear_residual(o.reshape(t, c.num_heads * c.head_dim), layer["o"], h)
-            h = ops.linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"]), layer["down"], h)
+            h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h)
+            h = self._linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"]), layer["down"], h)
         if logits_indices is not None:
             h = h[logits_indices]
-        return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy)
+        if self.tp is None:
+            return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy)
+        logits = self.tp.all_gather(ops.norm_lm_head(h, self.norm, eps, self.lm_head))  # [rows, V]
+        return (logits, logits.argmax(dim=-1)) if greedy else logits
+
+    # -- tensor parallelism: the three places where ranks talk -----------------------------------
+    def _linear_residual(self, x, w, h):
+        """h + x W^T. Row-parallel under TP: each rank's partial product, summed by an all-reduce;
+        the residual h is added by rank 0 only (the others add zeros), so it is counted once."""
+        if self.tp is None:
+            return self.kernels.linear_residual(x, w, h)
+        y = self.kernels.linear_residual(x, w, h if self.tp.rank == 0 else torch.zeros_like(h))
+        self.tp.all_reduce(y)
+        return y
+
+    def _embed_parallel(self, ids):
+        """Vocabulary-parallel lookup: ids outside this rank's range read zeros; all-reduce."""
+        return vocab_parallel_embedding(ids, self.embed, self.tp.rank, self.tp.all_reduce)

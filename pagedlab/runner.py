@@ -46,6 +46,15 @@ def decode_kv_slots(reqs, block_size: int) -> list[int]:
 
 
 @dataclass
+class StepInputs:
+    """A step's device work as host data: "pack" (data = the packed lists of _host_inputs) or
+    "replay" (data = the rows of a CUDA-graph replay), and the block-table entries that changed."""
+    kind: str
+    table_edits: list
+    data: list
+
+
+@dataclass
 class Launch:
     """A step on its way: where each request's token is, and how to get the tokens."""
     rows: dict[int, int]           # request id -> row of its token in this step's output
@@ -62,6 +71,9 @@ class ModelRunner:
         """cuda_graphs: True (capture on CUDA), False (never), "eager" (the graph code path run
         without capturing, on any device: what the CPU tests use to check the overlap loop)."""
         self.model, self.kv_cache = model, kv_cache
+        # tensor parallelism: rank 0 sends each step's inputs to the other ranks (parallel/group.py)
+        tp = getattr(model, "tp", None)
+        self.peers = tp if tp is not None and tp.rank == 0 else None
         self.block_size = kv_cache.block_size
         self.device = model.device
         self.block_table = BlockTable(max_num_seqs, blocks_needed(max_model_len, self.block_size),
@@ -91,25 +103,42 @@ class ModelRunner:
         prev, self.last = self.last, None
         if after is not None and after is not prev:
             raise RuntimeError("launch(after=...) must name the latest launch")
-        self.block_table.write(batch.table_edits)
         reqs = batch.sampled
         if self.replays(batch):
-            replay = self.graphs.launch(self._graph_rows(reqs, after.rows if after is not None else {}))
-            logits, tokens = replay.logits, None
+            step = StepInputs("replay", batch.table_edits,
+                              self._graph_rows(reqs, after.rows if after is not None else {}))
         else:
-            input_ids, positions, meta, rows = self._pack(batch)
-            logits = self.model.forward(input_ids, positions, self.kv_cache, meta, rows)
-            replay = None
+            step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
+        logits, replay = self.execute(step)
+        tokens = None
         if replay is None or not all(r.params.plain_greedy for r in reqs):
             tokens, batch.logprobs = self._sample(logits, reqs)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
 
+    def execute(self, step: "StepInputs"):
+        """The step's device work from its host inputs: block-table edits, then a graph replay or
+        the packed forward. Returns (logits, Replay or None). Under tensor parallelism rank 0 first
+        sends the same inputs to the other ranks (parallel/group.py), which run this very function."""
+        if self.peers is not None:
+            with self.peers.step_section():      # all ranks or none: Ctrl-C waits for its end
+                self.peers.send_step(step)
+                return self._execute(step)
+        return self._execute(step)
+
+    def _execute(self, step):
+        self.block_table.write(step.table_edits)
+        if step.kind == "replay":
+            replay = self.graphs.launch(step.data)
+            return replay.logits, replay
+        input_ids, positions, meta, rows = self._device_inputs(step.data)
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, rows), None
+
     # -- inputs -----------------------------------------------------------------
-    def _pack(self, batch):
-        """The step's tensors: each prefill's chunk of new tokens, then one token per decode.
-        Logits are computed only where a next token is due: the last token of a prefill that
-        completes its sequence, and every decode."""
+    def _host_inputs(self, batch) -> list[list[int]]:
+        """The step's inputs as host lists: each prefill's chunk of new tokens, then one token per
+        decode. Logits are computed only where a next token is due: the last token of a prefill
+        that completes its sequence, and every decode."""
         bs = self.block_size
         ids, pos, slot_mapping = [], [], []          # per token
         cu, p_lens, logit_rows = [0], [], []
@@ -127,13 +156,18 @@ class ModelRunner:
         pos += [n - 1 for n in d_lens]
         slot_mapping += decode_kv_slots(batch.decode, bs)
         logit_rows += range(cu[-1], cu[-1] + len(batch.decode))
-        table = self.block_table.table
         p_slots, d_slots = [r.slot for r in batch.prefill], [r.slot for r in batch.decode]
-        parts = [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
+        return [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
+
+    def _device_inputs(self, parts):
+        """Host lists -> the step's tensors, in one host -> device copy."""
+        bs = self.block_size
+        _, _, _, cu, p_lens, d_lens, _, _, _ = parts
         flat = torch.tensor([x for part in parts for x in part], dtype=torch.int64)
         flat = flat.to(self.device, non_blocking=True)          # one host -> device copy per step
         ids_t, positions, slots_t, cu_t, p_lens_t, d_lens_t, p_slots_t, d_slots_t, rows_t = \
             flat.split([len(part) for part in parts])
+        table = self.block_table.table
         # Only as many block-table columns as the longest sequence uses (kernels never read past).
         p_cols = blocks_needed(max(p_lens, default=1), bs)
         d_cols = blocks_needed(max(d_lens, default=1), bs)
@@ -141,7 +175,7 @@ class ModelRunner:
             slot_mapping=slots_t, num_prefill_tokens=cu[-1],
             prefill_block_table=table[p_slots_t, :p_cols], cu_seqlens_q=cu_t.int(),
             prefill_seq_lens=p_lens_t.int(),
-            max_q_len=max((cu[i + 1] - cu[i] for i in range(len(batch.prefill))), default=0),
+            max_q_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
             decode_block_table=table[d_slots_t, :d_cols], decode_seq_lens=d_lens_t.int(),
             max_seq_len=max(d_lens, default=0))
         return ids_t, positions, meta, rows_t

@@ -1,0 +1,73 @@
+"""Data parallelism: D independent copies of the engine (replicas), and a router that hands each
+one a share of the requests.
+
+    router (rank 0)  --work-->   replica r (its own scheduler, KV pool, and T ranks if T > 1)
+                     <--outputs--
+
+The router balances by estimated work: each request goes, in arrival order, to the replica with
+the least work assigned so far, counting prompt tokens + max new tokens. Replicas never talk to
+each other -- that is the whole point: no collective in the step, each GPU runs at full speed on
+its own batch, and throughput adds up. What it costs: every replica holds the whole model.
+
+Seeds are drawn by the router exactly as one engine would draw them, so a request's output is the
+same whichever replica runs it (sampling depends only on the request's seed and position).
+Work and outputs are Python objects sent over torch.distributed (gloo: send/recv_object_list).
+"""
+from __future__ import annotations
+
+import traceback
+
+import torch.distributed as dist
+
+
+def assign(costs: list[int], num_replicas: int) -> list[int]:
+    """Replica of each request: in arrival order, the one with the least work so far (ties: the
+    lowest replica index). Returns a list as long as costs."""
+    load, out = [0] * num_replicas, []
+    for c in costs:
+        r = min(range(num_replicas), key=lambda i: (load[i], i))
+        load[r] += c
+        out.append(r)
+    return out
+
+
+def request_cost(ids: list[int], params) -> int:
+    """A request's estimated work: its prompt tokens plus the most new tokens it may make."""
+    return len(ids) + params.max_new_tokens
+
+
+class RemoteError:
+    """A replica's exception, sent back to the router instead of outputs."""
+
+    def __init__(self, rank: int, text: str):
+        self.rank, self.text = rank, text
+
+
+def send(obj, dst: int, group) -> None:
+    dist.send_object_list([obj], dst=dst, group=group)
+
+
+def recv(src: int, group):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def serve_replica(rank: int, spec, tensors: dict, group, router, fail_at=None) -> None:
+    """Replica leader (tensor-parallel rank 0 of replica rank // T > 0): build its own LLM, then
+    run each work list the router sends (None: leave) and send back the outputs."""
+    from ..llm import LLM
+    llm = LLM._assemble(spec.config, tensors, spec.tokenizer, spec.device(rank), spec.dtype,
+                        spec.engine_config, spec.backend, spec.kernel_options, group, presharded=True)
+    calls = 0
+    while (work := recv(0, router)) is not None:
+        calls += 1
+        if calls == fail_at:
+            raise RuntimeError(f"injected failure on rank {rank} at call {calls}")
+        try:
+            out = llm._run(work)
+        except Exception:
+            out = RemoteError(rank, traceback.format_exc())
+        send(out, 0, router)
+    if group is not None:
+        group.send_step(None)                  # its own tensor-parallel ranks leave too

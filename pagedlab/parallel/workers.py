@@ -1,0 +1,212 @@
+"""Worker processes: one per rank, started with torch.multiprocessing, joined by torch.distributed.
+
+    LLM(model, tensor_parallel_size=T, data_parallel_size=D)       T * D ranks, rank 0 = this process
+
+    global rank g = replica * T + tp_rank        device cuda:g on GPUs (or the CPU)
+    rank 0          this process: loads the checkpoint, sends every rank its cut of the weights,
+                    runs replica 0's scheduler and (D > 1) the router (data_parallel.py)
+    tp_rank 0 of    runs its replica's engine: requests from the router in, outputs back
+    replica > 0
+    tp_rank > 0     waits for its replica's next step (group.recv_step) and runs it; nothing else
+
+Shutdown is one message down the same paths (an empty step, an empty work list), then a join; a
+process that does not leave in time is terminated. Workers ignore SIGINT (Ctrl-C is for rank 0,
+which finishes the step it is in), and a worker that raises writes its traceback to the error
+queue and exits: its peers' next collective fails, and rank 0 reports the worker's error.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .group import ParallelGroup, WorkerFailed
+from .shard import shard, split_rule
+
+WAIT = timedelta(days=7)        # a worker may wait this long for the next step (an idle engine)
+JOIN_TIMEOUT_S = 20.0
+FAULT_ENV = "PAGEDLAB_TEST_FAIL_RANK"   # "rank:step": that rank raises at that step (tests only)
+
+
+@dataclass
+class WorldSpec:
+    """What every rank needs to build its part (picklable; no weights: those go by send/recv)."""
+    tp: int
+    dp: int
+    device_type: str               # "cpu" or "cuda"
+    dtype: str                     # "float32", "bfloat16", ...
+    config: object                 # ModelConfig
+    engine_config: object          # EngineConfig
+    backend: str
+    kernel_options: dict | None
+    manifest: dict                 # tensor name -> full shape
+    init_file: str = ""
+    tokenizer: object = None       # replicas > 0 need it (their own engine)
+    errors: object = None          # mp SimpleQueue: (rank, traceback) of a failed worker
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device(f"cuda:{rank}") if self.device_type == "cuda" else torch.device("cpu")
+
+
+def init_world(rank: int, spec: WorldSpec):
+    """Join the world and build the groups (every rank builds every group, in the same order).
+    Returns (this rank's tensor-parallel ParallelGroup or None, the router group or None)."""
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("gloo", init_method=f"file://{spec.init_file}", rank=rank,
+                            world_size=spec.world, timeout=WAIT)
+    mine = None
+    for r in range(spec.dp):
+        ranks = list(range(r * spec.tp, (r + 1) * spec.tp))
+        cpu = dist.new_group(ranks, backend="gloo", timeout=WAIT)
+        dev = dist.new_group(ranks, backend="nccl") if spec.device_type == "cuda" else cpu
+        if rank in ranks:
+            mine = ParallelGroup(rank - ranks[0], ranks, dev, cpu)
+    router = dist.new_group([r * spec.tp for r in range(spec.dp)], backend="gloo", timeout=WAIT)
+    return (mine if spec.tp > 1 else None), (router if spec.dp > 1 else None)
+
+
+def send_weights(tensors: dict, spec: WorldSpec, dtype: torch.dtype) -> None:
+    """Rank 0 -> every other rank: its cut of each tensor, already in the run dtype."""
+    for name in sorted(spec.manifest):
+        rule = split_rule(name)
+        for g in range(1, spec.world):
+            dist.send(shard(tensors[name], rule, g % spec.tp, spec.tp).to(dtype).contiguous(), dst=g)
+
+
+def recv_weights(rank: int, spec: WorldSpec, dtype: torch.dtype) -> dict:
+    out = {}
+    for name in sorted(spec.manifest):
+        shape = shard(torch.empty(spec.manifest[name], device="meta"), split_rule(name),
+                      rank % spec.tp, spec.tp).shape
+        out[name] = torch.empty(shape, dtype=dtype)
+        dist.recv(out[name], src=0)
+    return out
+
+
+class Workers:
+    """Rank 0's handle on the other processes: start, error reports, shutdown."""
+
+    def __init__(self, spec: WorldSpec):
+        ctx = mp.get_context("spawn")
+        self.spec = spec
+        fd, spec.init_file = tempfile.mkstemp(prefix="pagedlab-dist-")
+        os.close(fd)
+        os.unlink(spec.init_file)                       # the file store creates it
+        spec.errors = ctx.SimpleQueue()
+        self.procs = [ctx.Process(target=worker_main, args=(g, spec), name=f"pagedlab-rank{g}", daemon=True)
+                      for g in range(1, spec.world)]
+        for p in self.procs:
+            p.start()
+        self.closed = False
+
+    def failure(self, wait_s: float = 5.0) -> str | None:
+        """The first failed worker's report (waits a little: it may still be writing it)."""
+        import time
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if not self.spec.errors.empty():
+                rank, tb = self.spec.errors.get()
+                return f"rank {rank} failed:\n{tb.rstrip()}"
+            if not any(p.is_alive() for p in self.procs) and self.spec.errors.empty():
+                break
+            time.sleep(0.05)
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            return f"{dead[0].name} exited with code {dead[0].exitcode}"
+        return None
+
+    def shutdown(self, say_goodbye=None) -> None:
+        """Tell the ranks to leave (say_goodbye), join them, terminate any that hang; leave the world."""
+        if self.closed:
+            return
+        self.closed = True
+        if say_goodbye is not None:
+            try:
+                say_goodbye()
+            except Exception:
+                pass                       # a peer is gone already: terminate below
+        for p in self.procs:
+            p.join(JOIN_TIMEOUT_S)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        if os.path.exists(self.spec.init_file):
+            os.unlink(self.spec.init_file)
+
+
+def worker_main(rank: int, spec: WorldSpec) -> None:
+    """Entry point of every rank but 0."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's business
+    if spec.device_type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
+    try:
+        group, router = init_world(rank, spec)
+        dtype = getattr(torch, spec.dtype)
+        tensors = recv_weights(rank, spec, dtype)
+        fault = os.environ.get(FAULT_ENV, "")
+        fail_at = int(fault.split(":")[1]) if fault and int(fault.split(":")[0]) == rank else None
+        if rank % spec.tp == 0:
+            from .data_parallel import serve_replica
+            serve_replica(rank, spec, tensors, group, router, fail_at)
+        else:
+            run_steps(rank, spec, tensors, group, fail_at)
+    except Exception:
+        spec.errors.put((rank, traceback.format_exc()))
+        os._exit(1)                      # no clean-up through a broken group: peers see it go
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def build_model(rank: int, spec: WorldSpec, tensors: dict, group):
+    from ..engine import max_positions
+    from ..kernels import select_kernels
+    from ..model import LlamaModel
+    kernels = select_kernels(spec.backend, spec.engine_config.decode_variant, **(spec.kernel_options or {}))
+    return LlamaModel(spec.config, tensors, spec.device(rank), getattr(torch, spec.dtype), kernels,
+                      max_positions=max_positions(spec.engine_config, spec.config), tp=group, presharded=True)
+
+
+def run_steps(rank: int, spec: WorldSpec, tensors: dict, group: ParallelGroup, fail_at=None) -> None:
+    """A tensor-parallel rank > 0: build the model's cut, its KV pool and runner, then run every
+    step rank 0 sends until the exit message."""
+    from ..engine import kv_cache_for, max_model_len
+    from ..runner import ModelRunner
+    cfg = spec.engine_config
+    model = build_model(rank, spec, tensors, group)
+    kv = kv_cache_for(model, cfg)
+    runner = ModelRunner(model, kv, cfg.max_num_seqs, max_model_len(model, cfg, kv.num_blocks), cfg.cuda_graphs)
+    steps = 0
+    while (step := group.recv_step()) is not None:
+        steps += 1
+        if steps == fail_at:
+            raise RuntimeError(f"injected failure on rank {rank} at step {steps} ({FAULT_ENV})")
+        runner.execute(step)
+    if spec.device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+__all__ = ["WorldSpec", "Workers", "WorkerFailed", "init_world", "send_weights", "worker_main"]
