@@ -7,10 +7,11 @@
     step      one batch-1 decode step: PDL modes, host overlap on and off
     prefix    prefix caching off and on: a shared system prompt, multi-turn chats, no sharing
               (--small runs on CPU)
+    parallel  one GPU against two: tensor parallel (split) and data parallel (replicas)
     serve     an OpenAI-compatible server under Poisson load (HTTP only: any server, any machine)
 
 What they share (timing, copy bandwidth, metadata, output files) is in common.py.
 """
 
-BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix")      # on a CUDA GPU
+BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix", "parallel")      # on a CUDA GPU
 HTTP_BENCHMARKS = ("serve",)                             # a client of a server: no GPU here

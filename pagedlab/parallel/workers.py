@@ -32,6 +32,7 @@ from .shard import shard, split_rule
 
 WAIT = timedelta(days=7)        # a worker may wait this long for the next step (an idle engine)
 JOIN_TIMEOUT_S = 20.0
+LEAVE_TIMEOUT_S = 20.0
 FAULT_ENV = "PAGEDLAB_TEST_FAIL_RANK"   # "rank:step": that rank raises at that step (tests only)
 
 
@@ -129,15 +130,19 @@ class Workers:
         return None
 
     def shutdown(self, say_goodbye=None) -> None:
-        """Tell the ranks to leave (say_goodbye), join them, terminate any that hang; leave the world."""
+        """Tell the ranks to leave (say_goodbye), leave the world together with them (NCCL's
+        teardown flushes every rank's communicator: all ranks call it), join them, terminate any
+        that hang. After a failure (a rank is gone) the world is aborted instead of flushed."""
         if self.closed:
             return
         self.closed = True
-        if say_goodbye is not None:
+        clean = say_goodbye is not None and all(p.is_alive() for p in self.procs)
+        if clean:
             try:
                 say_goodbye()
             except Exception:
-                pass                       # a peer is gone already: terminate below
+                clean = False              # a peer is gone already
+        leave_world(clean)
         for p in self.procs:
             p.join(JOIN_TIMEOUT_S)
         for p in self.procs:
@@ -147,13 +152,38 @@ class Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
         if os.path.exists(self.spec.init_file):
             os.unlink(self.spec.init_file)
+
+
+def leave_world(clean: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """destroy_process_group (clean: every rank calls it) or abort it (a rank failed), on a helper
+    thread: never wait more than timeout_s. False if it did not finish in time."""
+    import threading
+    if not dist.is_initialized():
+        return True
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    fn = dist.destroy_process_group if clean or abort is None else abort
+
+    def run():
+        try:
+            fn()
+        except Exception:
+            pass
+    t = threading.Thread(target=run, daemon=True, name="pagedlab-leave-world")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        import warnings
+        warnings.warn(f"torch.distributed did not shut down within {timeout_s:.0f} s; this process "
+                      "may not start another parallel LLM")
+        return False
+    if dist.is_initialized():           # abort leaves the default group registered
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    return True
 
 
 def worker_main(rank: int, spec: WorldSpec) -> None:
@@ -175,10 +205,8 @@ def worker_main(rank: int, spec: WorldSpec) -> None:
     except Exception:
         spec.errors.put((rank, traceback.format_exc()))
         os._exit(1)                      # no clean-up through a broken group: peers see it go
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    leave_world(clean=True)              # together with rank 0 (workers.Workers.shutdown)
+    os._exit(0)
 
 
 def build_model(rank: int, spec: WorldSpec, tensors: dict, group):
