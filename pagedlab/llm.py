@@ -247,8 +247,12 @@ class LLM:
         return self
 
     def close(self) -> None:
-        """Stop the worker processes of a parallel LLM (a no-op otherwise, and the second time)."""
+        """Stop the worker processes of a parallel LLM (a no-op otherwise, and the second time).
+        Its CUDA graphs go first: they hold the communicators' kernels."""
         if self._workers is not None:
+            if getattr(self, "engine", None) is not None and self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+                self.engine.runner.graphs = None
             self._close()
 
     def __enter__(self):

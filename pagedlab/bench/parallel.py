@@ -149,9 +149,12 @@ def main(argv=None):
         result["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
         write_json(out / "parallel_bench.json", result)         # partial results survive a crash
-    result["rows"] = [r for r in result["rows"] if "error" not in r] or result["rows"]
-    if any("error" in r for r in result["rows"]):
-        print("every configuration failed")
+    result["failed"] = [r for r in result["rows"] if "error" in r]
+    result["rows"] = [r for r in result["rows"] if "error" not in r]
+    for r in result["failed"]:
+        print(f"{r['config']} failed:\n{r['error']}")
+    if not result["rows"]:
+        write_json(out / "parallel_bench.json", result)
         return
     base = result["rows"][0]
     lines = [f"device: {result['device_line']}; model: {result['model']}", "",

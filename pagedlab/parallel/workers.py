@@ -142,7 +142,7 @@ class Workers:
                 say_goodbye()
             except Exception:
                 clean = False              # a peer is gone already
-        leave_world(clean)
+        leave_world(clean, self.spec.device_type)
         for p in self.procs:
             p.join(JOIN_TIMEOUT_S)
         for p in self.procs:
@@ -156,14 +156,16 @@ class Workers:
             os.unlink(self.spec.init_file)
 
 
-def leave_world(clean: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
-    """destroy_process_group (clean: every rank calls it) or abort it (a rank failed), on a helper
-    thread: never wait more than timeout_s. False if it did not finish in time."""
+def leave_world(clean: bool, device_type: str = "cpu", timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
+    """Leave torch.distributed on a helper thread, never waiting more than timeout_s (False if it
+    did not finish). gloo (CPU): destroy_process_group, with every rank (clean) or alone. NCCL: abort
+    the communicators -- a local call; a flushing destroy waits on every rank's communicator and
+    was seen to hang (H200 x2, torch 2.11, NCCL 2.28.3, 2026-12-01)."""
     import threading
     if not dist.is_initialized():
         return True
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    fn = dist.destroy_process_group if clean or abort is None else abort
+    fn = abort if device_type == "cuda" and abort is not None else dist.destroy_process_group
 
     def run():
         try:
@@ -178,7 +180,7 @@ def leave_world(clean: bool, timeout_s: float = LEAVE_TIMEOUT_S) -> bool:
         warnings.warn(f"torch.distributed did not shut down within {timeout_s:.0f} s; this process "
                       "may not start another parallel LLM")
         return False
-    if dist.is_initialized():           # abort leaves the default group registered
+    if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:
@@ -205,8 +207,11 @@ def worker_main(rank: int, spec: WorldSpec) -> None:
     except Exception:
         spec.errors.put((rank, traceback.format_exc()))
         os._exit(1)                      # no clean-up through a broken group: peers see it go
-    leave_world(clean=True)              # together with rank 0 (workers.Workers.shutdown)
-    os._exit(0)
+    if spec.device_type == "cuda":
+        torch.cuda.synchronize()
+    else:
+        leave_world(clean=True)          # gloo: together with rank 0 (Workers.shutdown)
+    os._exit(0)                          # NCCL: process exit frees the communicators
 
 
 def build_model(rank: int, spec: WorldSpec, tensors: dict, group):
@@ -233,8 +238,6 @@ def run_steps(rank: int, spec: WorldSpec, tensors: dict, group: ParallelGroup, f
         if steps == fail_at:
             raise RuntimeError(f"injected failure on rank {rank} at step {steps} ({FAULT_ENV})")
         runner.execute(step)
-    if spec.device_type == "cuda":
-        torch.cuda.synchronize()
 
 
 __all__ = ["WorldSpec", "Workers", "WorkerFailed", "init_world", "send_weights", "worker_main"]
