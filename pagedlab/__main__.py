@@ -87,6 +87,7 @@ def check_args(args) -> None:
     for i, prompt in enumerate(args.prompts, 1):
         if not prompt.strip():
             fail(f"PROMPT {i} of {len(args.prompts)} is empty: give some text to answer")
+    check_parallel_args(args)
     args.device = check_device(args.device)
     args.dtype = check_dtype(args.dtype)
     if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -98,10 +99,20 @@ def check_args(args) -> None:
 
 
 # ------------------------------------------------------------------ commands
+def check_parallel_args(args, data_parallel: bool = True) -> None:
+    for flag, v in (("--tensor-parallel-size", args.tensor_parallel_size),
+                    ("--data-parallel-size", getattr(args, "data_parallel_size", 1))):
+        if v < 1:
+            fail(f"{flag} must be >= 1, got {v}")
+    if not data_parallel and getattr(args, "data_parallel_size", 1) > 1:
+        fail("serve runs one engine: for data parallelism start one server per GPU behind a load balancer")
+
+
 def _llm(args, **kw):
     from .llm import LLM
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
-               attention_backend=args.backend, **kw)
+               attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
 
 
 def demo(args) -> None:
@@ -155,6 +166,7 @@ def check_serve_args(args) -> None:
         fail("--served-model-name must not be empty")
     if args.max_model_len is not None and args.max_model_len < 2:
         fail(f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
+    check_parallel_args(args, data_parallel=False)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         fail(f"serve needs {', '.join(missing)}: pip install 'pagedlab[serve]'")
@@ -203,6 +215,10 @@ def build_parser() -> ArgumentParser:
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
         sp.add_argument("--max-new-tokens", type=int, default=48, help=">= 1")
         sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
+        sp.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
+        sp.add_argument("--data-parallel-size", type=int, default=1,
+                        help="N replicas behind a router, one process/GPU each (>= 1)")
 
     d = sub.add_parser("demo", help="the four prompts of the original engine, 2 slots")
     common(d)
@@ -230,6 +246,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--prefix-caching", action="store_true",
                    help="share the KV blocks of equal prompt prefixes between requests")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="not for serve: run one server per GPU behind a load balancer")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),
                        description="Benchmarks: kernels, engine, gemv, step on a CUDA GPU; serve "

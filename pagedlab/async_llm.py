@@ -32,6 +32,9 @@ class _Caller:
 
 class AsyncLLM:
     def __init__(self, llm):
+        if getattr(llm, "data_parallel_size", 1) > 1:
+            raise ValueError("AsyncLLM drives one engine: with data_parallel_size > 1 use LLM.generate, "
+                             "or one server per GPU behind a load balancer")
         self.llm, self.engine = llm, llm.engine
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[int, _Caller] = {}

@@ -53,6 +53,9 @@ BAD = [
     (["--dtype", "bf"], "--dtype"),
     (["--dtype", "int8"], "--dtype"),
     (["--backend", "jax"], "--backend"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (["--data-parallel-size", "-1"], "--data-parallel-size"),
+    (["--tensor-parallel-size", "two"], "--tensor-parallel-size"),
 ]
 
 

@@ -111,6 +111,9 @@ def test_parallel_gives_the_one_process_tokens(tp, dp, reference):
             assert [o.token_ids for o in llm.generate(prompts, sampled)] == reference[1]
             with pytest.raises(ValueError, match="data_parallel_size > 1"):
                 next(llm.stream(prompts[0]))
+            from pagedlab.async_llm import AsyncLLM
+            with pytest.raises(ValueError, match="data_parallel_size > 1"):
+                AsyncLLM(llm)
         else:                   # TP sums in another order: sampling may part at near-ties only
             out = llm.generate(prompts, sampled)
             assert sum(o.token_ids == r for o, r in zip(out, reference[1])) >= len(prompts) - 1
@@ -236,3 +239,18 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_cli_generate_with_two_ranks_and_serve_refuses_replicas():
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = [sys.executable, "-m", "pagedlab", "generate", "--model", "random:tiny", "--device", "cpu",
+            "--backend", "torch", "--raw", "--max-new-tokens", "6", "hello", "there"]
+    one = subprocess.run(base, capture_output=True, text=True, env=env, timeout=300)
+    two = subprocess.run(base + ["--tensor-parallel-size", "2", "--data-parallel-size", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout == one.stdout and len(one.stdout.splitlines()) == 2
+    r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--data-parallel-size", "2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "error: serve runs one engine: for data parallelism start one server per GPU behind a load balancer"]
