@@ -198,3 +198,21 @@ def test_end_of_turn_with_a_broken_renderer():
     # the longest special token that starts there wins
     text = lambda m: "user: " + m[0]["content"] + " " + m[1]["content"] + "\n<|end|><|end_of_turn|>"
     assert find_end_of_turn(text, {"<|end|>": 5, "<|end|><|end_of_turn|>": 6, "<|end_of_turn|>": 7}) == 6
+
+
+def test_stop_reason_names_the_token_and_its_source():
+    """RequestOutput.stop_reason says which token stopped the request and where the engine got it:
+    the model's EOS metadata, or the request's own stop_token_ids."""
+    from helpers import tiny_llm
+    from pagedlab import SamplingParams, tiny_config
+    free = tiny_llm().generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+    t = free[3]
+    first = free.index(t)
+    out = tiny_llm().generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=8, stop_token_ids=[t]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free[:first + 1]
+    assert out.stop_reason.endswith(f"(id {t}): stop_token_ids")
+    eos = tiny_llm(config=tiny_config(eos_token_ids=[t])).generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=8))[0]
+    assert eos.finish_reason == "stop" and eos.token_ids == free[:first + 1]
+    assert eos.stop_reason.endswith(f"(id {t}): model eos")
+    long = tiny_llm().generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert long.finish_reason == "length" and long.stop_reason is None

@@ -203,3 +203,12 @@ def test_trace_default_cap_and_unbounded():
 def test_trace_bad_max_steps(bad):
     with pytest.raises(ValueError, match="max_steps"):
         Trace(2, 16, 8, max_steps=bad)
+
+
+def test_max_trace_steps_reaches_the_engine():
+    from helpers import tiny_llm
+    from pagedlab import SamplingParams
+    llm = tiny_llm(trace=True, max_trace_steps=4)
+    llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    assert llm.trace.max_steps == 4 and len(llm.trace) == 4 and llm.trace.num_dropped > 0
+    assert [s.step for s in llm.trace] == list(range(llm.trace.next_step - 4, llm.trace.next_step))

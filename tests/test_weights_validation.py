@@ -559,3 +559,18 @@ def test_resolve_device_dtype_missing_gpu_index(fake_cuda):
     fake_cuda(True, count=1)
     with pytest.raises(ValueError, match=re.escape("'cuda:2' was asked for but torch sees 1 CUDA device")):
         resolve_device_dtype("cuda:2")
+
+
+def test_llm_on_a_checkpoint_without_tokenizer_files_says_what_is_missing(tmp_path):
+    """End to end: LLM(dir) names the missing files (not transformers' "Couldn't instantiate the
+    backend tokenizer"), and LLM(dir, tokenizer=...) is the documented way round it."""
+    from pagedlab import LLM
+    from pagedlab.tokenizer import ByteTokenizer
+    cfg = tiny_config()
+    d = save_dir(tmp_path / "m", cfg, random_checkpoint(cfg).tensors, tokenizer=False)
+    with pytest.raises(ValueError) as e:
+        LLM(str(d), device="cpu", show_progress=False)
+    message_names(e, str(d), "tokenizer.json", "tokenizer=...")
+    llm = LLM(str(d), device="cpu", show_progress=False,
+              tokenizer=ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_ids))
+    assert len(llm.generate([[5, 6, 7]])[0].token_ids) >= 1
