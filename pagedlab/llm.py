@@ -143,10 +143,11 @@ def shutdown_workers(workers, tp: int, dp: int, groups: list) -> None:
             from .parallel.data_parallel import send
             for k in range(1, dp):
                 send(None, k * tp, router)
-        if group is not None and not group.stopped:
+        if group is not None:
             group.send_step(None)
             group.stopped = "this LLM was closed; create a new LLM"
-    workers.shutdown(goodbye)
+    # a stopped group is out of step: its ranks cannot be told, only ended
+    workers.shutdown(None if group is not None and group.stopped else goodbye)
 
 
 class LLM:
@@ -204,7 +205,7 @@ class LLM:
             try:
                 group, self._router = groups[:] = init_world(0, spec)
                 if group is not None:
-                    group.on_failure = workers.failure
+                    group.on_failure, group.on_stop = workers.failure, self._close
                 send_weights(ckpt.tensors, spec, dtype)
                 self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
                             kernel_options, group)

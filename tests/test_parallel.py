@@ -254,3 +254,25 @@ def test_cli_generate_with_two_ranks_and_serve_refuses_replicas():
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: serve runs one engine: for data parallelism start one server per GPU behind a load balancer"]
+
+
+def test_an_error_on_rank_0_mid_step_stops_the_workers(monkeypatch):
+    """Rank 0 raises inside a step after the others started it: the ranks are out of step, so the
+    LLM stops every process and says so, instead of retrying through a broken group."""
+    prompts, greedy, _ = workload()
+    llm = tiny_llm(config=CONFIG, max_num_seqs=3, tensor_parallel_size=2)
+    llm.generate(prompts[:2], greedy[:2])
+    calls = [0]
+    real = llm.model.forward
+
+    def flaky(*a, **k):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("planted failure in rank 0's forward")
+        return real(*a, **k)
+    monkeypatch.setattr(llm.model, "forward", flaky)
+    with pytest.raises(WorkerFailed, match="rank 0 failed during a step: RuntimeError: planted failure"):
+        llm.generate(prompts, greedy)
+    assert no_children()
+    with pytest.raises(RuntimeError, match="planted failure"):
+        llm.generate(prompts, greedy)

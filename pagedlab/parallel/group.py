@@ -41,6 +41,7 @@ class ParallelGroup:
         self.ranks = ranks                            # their global ranks (torch.distributed's)
         self.device_group, self.cpu_group = device_group, cpu_group
         self.on_failure = on_failure                  # rank 0: () -> message of the rank that failed
+        self.on_stop = None                           # rank 0: () -> None, stops every process
         self.stopped: str | None = None
 
     # -- the model's collectives ---------------------------------------------------------------
@@ -122,4 +123,6 @@ class ParallelGroup:
         self.stopped = (f"{cause}" if cause else
                         f"rank 0 failed during a step: {type(error).__name__}: {error}") + \
             " -- the parallel workers were shut down; create a new LLM"
+        if self.on_stop is not None:
+            self.on_stop()                 # the other ranks may wait in a collective: end them
         raise WorkerFailed(self.stopped) from error

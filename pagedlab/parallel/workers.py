@@ -113,7 +113,7 @@ class Workers:
             p.start()
         self.closed = False
 
-    def failure(self, wait_s: float = 5.0) -> str | None:
+    def failure(self, wait_s: float = 2.0) -> str | None:
         """The first failed worker's report (waits a little: it may still be writing it)."""
         import time
         deadline = time.monotonic() + wait_s
@@ -142,16 +142,19 @@ class Workers:
                 say_goodbye()
             except Exception:
                 clean = False              # a peer is gone already
-        leave_world(clean, self.spec.device_type)
-        for p in self.procs:
-            p.join(JOIN_TIMEOUT_S)
-        for p in self.procs:
-            if p.is_alive():
+        if clean:
+            leave_world(True, self.spec.device_type)
+            for p in self.procs:
+                p.join(JOIN_TIMEOUT_S)
+        for p in self.procs:               # out of step (or hanging): a rank may wait in a
+            if p.is_alive():               # collective for ever -- end it, then leave the world
                 p.terminate()
                 p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join()
+        if not clean:
+            leave_world(False, self.spec.device_type)
         if os.path.exists(self.spec.init_file):
             os.unlink(self.spec.init_file)
 
