@@ -16,23 +16,23 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() 
                                                   reason="needs 2 CUDA devices")]
 
 
-def run(ckpt, dtype, prompts, params, **kw):
-    with LLM(checkpoint=ckpt, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=1024,
+def run(checkpoint, dtype, prompt_ids, params, **kw):
+    with LLM(checkpoint=checkpoint, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=1024,
              show_progress=False, **kw) as llm:
         assert llm.engine.runner.graphs is not None and llm.engine.overlap
-        return [o.token_ids for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in llm.generate(prompt_ids, params)]
 
 
 def test_two_gpus_give_one_gpus_tokens_fp32():
     assert os.environ.get("NCCL_NVLS_ENABLE", "0") == "0", "keep NVLink multicast off (device README)"
-    ckpt = random_checkpoint(tiny_config(tie_word_embeddings=False), 0)
+    tiny = random_checkpoint(tiny_config(tie_word_embeddings=False), 0)
     rng = torch.Generator().manual_seed(2)
-    prompts = random_prompts(12, 512, rng, lo=1, hi=200)
+    ids = random_prompts(12, 512, rng, lo=1, hi=200)
     greedy = SamplingParams(max_new_tokens=40, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)
-    want = run(ckpt, "float32", prompts, [greedy] * 6 + [sampled] * 6)
+    want = run(tiny, "float32", ids, [greedy] * 6 + [sampled] * 6)
     for tp, dp in ((2, 1), (1, 2)):
-        got = run(ckpt, "float32", prompts, [greedy] * 6 + [sampled] * 6, tensor_parallel_size=tp,
+        got = run(tiny, "float32", ids, [greedy] * 6 + [sampled] * 6, tensor_parallel_size=tp,
                   data_parallel_size=dp)
         assert got[:6] == want[:6], (tp, dp)
         same = sum(a == b for a, b in zip(got[6:], want[6:]))
