@@ -2,10 +2,12 @@
 and an explorer that steps through a recorded Trace with a slider and a play button.
 
 Everything draws with matplotlib and returns the Figure, so the same call works in a notebook, in
-a script (`python -m pagedlab.figures` saves them as PNGs) and in a test. The explorer uses core
-ipywidgets only (Play + IntSlider joined with widgets.link, an Output redrawn with
-clear_output(wait=True)); where widgets cannot render -- no ipywidgets, no kernel, a static HTML
-view of a saved notebook, or PAGEDLAB_STATIC=1 -- the same call shows a static figure instead.
+a script (`python -m pagedlab.figures` saves them as PNGs) and in a test. The explorer
+(explore_trace) renders each step's figure to a PNG once and embeds them all in one HTML block
+with a few lines of JavaScript for the controls: it plays in the browser with no kernel and no
+widgets -- during Run All, in Colab, in VS Code and in a static HTML export. explore_trace(...,
+live=True) is the older ipywidgets version (Play + IntSlider, frames drawn by the kernel on
+demand); PAGEDLAB_STATIC=1 shows one static figure instead of either.
 """
 from __future__ import annotations
 
@@ -116,17 +118,27 @@ def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None =
     steps = trace.steps if max_steps is None else trace.steps[:max_steps]
     n_slots = trace.num_slots
     fig, ax = _new_ax(ax, (min(14, 2 + 0.18 * len(steps)), 0.9 + 0.45 * n_slots))
+    # the cells as two collections (plain, hatched prefill): one artist each instead of one patch
+    # per cell, so a long trace draws in milliseconds (the explorer draws it once per frame)
+    from matplotlib.collections import PolyCollection
+    cells = {False: ([], []), True: ([], [])}            # hatched? -> (cell corners, colours)
     for x, s in enumerate(steps):
         for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
             busy = ph is not None
             color = request_color(rid) if busy else IDLE
-            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", linewidth=0.6,
-                                   hatch="///" if ph == "prefill" else None))
+            rects, colors = cells[ph == "prefill"]
+            rects.append(((x, y), (x + 1, y), (x + 1, y + 1), (x, y + 1)))
+            colors.append(color)
             first = ph == "prefill" and (x == 0 or steps[x - 1].slot_request[y] != rid
                                          or steps[x - 1].slot_phase[y] != "prefill")
             if letters and busy and first and len(steps) <= 150:
                 ax.text(x + 0.5, y + 0.5, str(rid), ha="center", va="center", fontsize=6.5,
                         color=_ink(color), fontweight="bold")
+    for hatched, (rects, colors) in cells.items():
+        if rects:
+            ax.add_collection(PolyCollection(rects, facecolors=colors, edgecolors="white", linewidths=0.6,
+                                             hatch="///" if hatched else None, gid="cells"),
+                              autolim=False)
     marks = preemption_marks(trace, max_steps)
     if marks:
         ax.scatter([m[0] for m in marks], [m[1] + 0.5 for m in marks], marker="X", s=70,
@@ -138,6 +150,10 @@ def draw_timeline(trace, ax=None, title: str | None = None, cursor: int | None =
     ax.set_ylim(n_slots, 0)
     ax.set_yticks([i + 0.5 for i in range(n_slots)], [f"slot {i}" for i in range(n_slots)])
     ax.set_xlabel("engine step")
+    first_step = steps[0].step if steps else 0
+    if first_step:                     # the trace dropped its oldest steps: label the engine's numbers
+        from matplotlib.ticker import FuncFormatter
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(round(v)) + first_step}"))
     util = sum(p is not None for s in steps for p in s.slot_phase) / max(1, len(steps) * n_slots)
     ax.set_title(title if title is not None else f"slot timeline: {len(steps)} steps, "
                  f"{util:.0%} of slot-steps busy", fontsize=10, loc="left")
@@ -335,7 +351,7 @@ def draw_step(trace, i: int, fig=None, max_pool: int | None = None, show_time: b
                           hspace=0.75, wspace=0.6)
     when = f"t = {s.start_s * 1e3:.1f} ms, " if show_time else ""
     draw_timeline(trace, ax=fig.add_subplot(gs[0, :3]), cursor=i, legend=False,
-                  title=f"step {i} of {len(trace) - 1}   ({when}{s.num_tokens} tokens through the model)")
+                  title=f"step {s.step} of {trace[-1].step}   ({when}{s.num_tokens} tokens through the model)")
     _step_legend(fig, s, fig.add_subplot(gs[:, 3]))
     # slots
     ax = fig.add_subplot(gs[1, 0])
@@ -393,10 +409,20 @@ def draw_step(trace, i: int, fig=None, max_pool: int | None = None, show_time: b
     return fig
 
 
-def fig_to_png(fig, dpi: int = 80) -> bytes:
+def fig_to_png(fig, dpi: int = 80, bbox_inches="tight", colors: int | None = None) -> bytes:
+    """The figure as PNG bytes. bbox_inches: "tight" (crop to what is drawn), None (the whole
+    figure) or a Bbox in inches (the same crop for every frame of an animation). colors: reduce
+    to a palette of that many colours (<= 256): the drawings are flat colours, so a 256-colour
+    PNG looks the same and is about 3x smaller."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    return buf.getvalue()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches=bbox_inches)
+    if colors is None:
+        return buf.getvalue()
+    from PIL import Image
+    img = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    out = io.BytesIO()
+    img.quantize(colors=colors, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(out, format="PNG")
+    return out.getvalue()
 
 
 def _in_kernel() -> bool:
@@ -414,16 +440,230 @@ def widgets_available() -> bool:
     return importlib.util.find_spec("ipywidgets") is not None
 
 
-def explore_trace(trace, start: int = 0, interval_ms: int = 400):
-    """Step through a recorded trace: a play button and a slider (linked) redraw draw_step in an
-    Output. Displayed with a PNG of the first frame beside it, so a static view of the notebook
-    shows that figure where the widget cannot render. Outside a kernel, or with PAGEDLAB_STATIC=1,
-    returns the static figure of step `start` instead."""
+# ----------------------------------------------------------------------------- the explorer
+EXPLORER_MAX_FRAMES = 100     # frames one explorer renders at most (~25 KB of HTML each at dpi 80)
+EXPLORER_DPI = 80
+
+
+def explorer_frames(n: int, max_frames: int | None = EXPLORER_MAX_FRAMES, keep: int | None = None) -> list[int]:
+    """Which of n steps (indices 0..n-1) the explorer renders: all of them when n <= max_frames,
+    else max_frames evenly spaced ones -- always the first and the last, and `keep` (the start
+    step) in place of the sampled index nearest to it."""
+    if n <= 0:
+        return []
+    if max_frames is None or n <= max_frames:
+        return list(range(n))
+    if max_frames < 2:
+        raise ValueError(f"max_frames must be at least 2 (the first and the last step), got {max_frames}")
+    picked = sorted({round(k * (n - 1) / (max_frames - 1)) for k in range(max_frames)})
+    if keep is not None and 0 <= keep < n and keep not in picked:
+        inner = range(1, len(picked) - 1)
+        if inner:
+            j = min(inner, key=lambda j: abs(picked[j] - keep))
+            picked[j] = keep
+            picked.sort()
+    return picked
+
+
+class TraceExplorer:
+    """A trace explorer that runs in the browser: every frame (draw_step) rendered once to a PNG
+    and embedded, with a few lines of JavaScript for the controls -- no kernel, no ipywidgets.
+    Jupyter shows it through _repr_html_ (JupyterLab, classic notebook, Colab, VS Code, and the
+    HTML that `jupyter nbconvert --to html` writes); save(path) writes a standalone page.
+
+    Attributes: html (the block), id (its element id, unique per explorer), steps (the engine's
+    step number of each frame), indices (each frame's index in the trace), num_steps (steps in
+    the trace), nbytes (size of the HTML)."""
+
+    def __init__(self, html: str, id: str, steps: list[int], indices: list[int], num_steps: int):
+        self.html, self.id, self.steps, self.indices, self.num_steps = html, id, steps, indices, num_steps
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.html.encode())
+
+    @property
+    def skipped(self) -> bool:
+        return len(self.steps) < self.num_steps
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return (f"trace explorer: {len(self.steps)} frames of {self.num_steps} steps "
+                f"(steps {self.steps[0]}..{self.steps[-1]}), {self.nbytes / 1e6:.1f} MB of HTML")
+
+    def save(self, path) -> str:
+        """A standalone HTML page with the explorer (opens in any browser, offline)."""
+        from pathlib import Path
+        Path(path).write_text("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>pagedlab trace "
+                              f"explorer</title></head><body>\n{self.html}\n</body></html>\n")
+        return str(path)
+
+
+_EXPLORER_JS = r"""
+(function () {
+  var root = document.getElementById("%(id)s");
+  if (!root || root.getAttribute("data-ready")) return;
+  root.setAttribute("data-ready", "1");
+  function q(sel) { return root.querySelector(sel); }
+  var frames = root.querySelectorAll("img.pl-frame");
+  var n = frames.length, cur = %(start)d, timer = null, interval = %(interval)d;
+  var slider = q(".pl-slider"), label = q(".pl-label"), play = q(".pl-play"), speed = q(".pl-speed");
+  function show(k) {
+    k = Math.max(0, Math.min(n - 1, k));
+    for (var j = 0; j < n; j++) frames[j].style.display = (j === k) ? "block" : "none";
+    cur = k;
+    slider.value = String(k);
+    label.textContent = "step " + frames[k].getAttribute("data-step") + "  (frame " + (k + 1) + " of " + n + ")";
+    root.setAttribute("data-frame", String(k));
+  }
+  function stop() {
+    if (timer !== null) { clearInterval(timer); timer = null; }
+    play.textContent = "\u25b6 play";
+  }
+  function tick() { if (cur >= n - 1) stop(); else show(cur + 1); }
+  function start() {
+    stop();
+    if (cur >= n - 1) show(0);
+    timer = setInterval(tick, interval / (parseFloat(speed.value) || 1));
+    play.textContent = "\u275a\u275a pause";
+  }
+  var acts = {
+    first: function () { stop(); show(0); },
+    prev: function () { stop(); show(cur - 1); },
+    play: function () { if (timer !== null) stop(); else start(); },
+    next: function () { stop(); show(cur + 1); },
+    last: function () { stop(); show(n - 1); }
+  };
+  var buttons = root.querySelectorAll("button[data-act]");
+  for (var b = 0; b < buttons.length; b++) {
+    buttons[b].addEventListener("click", (function (act) {
+      return function (e) { e.preventDefault(); acts[act](); };
+    })(buttons[b].getAttribute("data-act")));
+  }
+  slider.addEventListener("input", function () { stop(); show(parseInt(slider.value, 10)); });
+  speed.addEventListener("change", function () { if (timer !== null) start(); });
+  var keys = { ArrowRight: "next", ArrowLeft: "prev", Home: "first", End: "last", " ": "play" };
+  root.addEventListener("keydown", function (e) {
+    var act = keys[e.key], tag = (e.target && e.target.tagName) || "";
+    if (!act || tag === "SELECT" || (tag === "BUTTON" && e.key === " ")) return;
+    e.preventDefault();
+    e.stopPropagation();
+    acts[act]();
+  });
+  q(".pl-controls").style.display = "flex";
+  q(".pl-static").style.display = "none";
+  show(cur);
+})();
+"""
+
+
+def explorer_html(trace, start: int = 0, interval_ms: int = 400, max_frames: int | None = EXPLORER_MAX_FRAMES,
+                  dpi: int = EXPLORER_DPI, progress: bool = True) -> TraceExplorer:
+    """Render the frames of `trace` (draw_step, at most max_frames, evenly spaced, the first, the
+    last and `start` kept) and build the client-side explorer around them. start: the index in the
+    trace of the frame shown first. A tqdm bar counts the frames as they render."""
+    import html as _html
+    import uuid
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.transforms import Bbox
+    from tqdm.auto import tqdm
+
+    n = len(trace)
+    if not n:
+        raise ValueError("the trace is empty: run the engine with trace=True first")
+    start = max(0, min(int(start), n - 1))
+    indices = explorer_frames(n, max_frames, keep=start)
+    first_shown = min(range(len(indices)), key=lambda k: abs(indices[k] - start))
+    steps = trace.steps
+    # one figure, redrawn for every frame, cropped to one box (the union of the first and the
+    # last frame's drawn area): every frame has the same size, so the picture does not jump
+    fig = Figure(figsize=(13.5, 6.4))
+    canvas = FigureCanvasAgg(fig)
+    boxes = []
+    for i in {indices[0], indices[-1]}:
+        draw_step(trace, i, fig=fig)
+        canvas.draw()
+        boxes.append(fig.get_tightbbox(canvas.get_renderer()))
+    box = Bbox.union(boxes).padded(0.1)
+    uid = "pagedlab-explorer-" + uuid.uuid4().hex[:12]
+    imgs = []
+    for k, i in enumerate(tqdm(indices, desc="explorer frames", unit="frame", leave=False,
+                               disable=not progress)):
+        draw_step(trace, i, fig=fig)
+        png = base64.b64encode(fig_to_png(fig, dpi=dpi, bbox_inches=box, colors=256)).decode()
+        imgs.append(f'<img class="pl-frame" data-step="{steps[i].step}" data-index="{i}" alt="engine step '
+                    f'{steps[i].step}" style="display:{"block" if k == first_shown else "none"};max-width:100%;'
+                    f'height:auto" src="data:image/png;base64,{png}">')
+    fig.clear()
+    shown = [steps[i].step for i in indices]
+    note = ""
+    if len(indices) < n:
+        gap = (n - 1) / max(1, len(indices) - 1)
+        note = (f"Frames skipped: {len(indices)} of the trace's {n} steps are shown, one in every {gap:.1f} "
+                f"(evenly spaced; the first, the last and step {steps[start].step} always), and the label "
+                f"names each frame's engine step. explore_trace(trace, max_frames=None) renders every step.")
+    s0 = steps[indices[first_shown]].step
+    button = ('<button type="button" data-act="{0}" class="pl-{0}" title="{1}" style="padding:1px 8px;'
+              'cursor:pointer">{2}</button>')
+    controls = "".join(button.format(*b) for b in (
+        ("first", "first step (Home)", "|&#x25C0;"), ("prev", "previous step (&#x2190;)", "&#x25C0;"),
+        ("play", "play / pause (space)", "&#x25B6; play"), ("next", "next step (&#x2192;)", "&#x25B6;"),
+        ("last", "last step (End)", "&#x25B6;|")))
+    speeds = "".join(f'<option value="{v}"{" selected" if v == 1 else ""}>{v:g}&#xD7;</option>'
+                     for v in (0.25, 0.5, 1, 2, 4, 8))
+    html = (
+        f'<div id="{uid}" class="pagedlab-explorer" tabindex="0" data-lm-suppress-shortcuts="true" '
+        f'data-frames="{len(indices)}" data-steps="{n}" style="font-family:sans-serif;font-size:13px;outline:none">\n'
+        f'<div class="pl-controls" style="display:none;align-items:center;gap:6px;flex-wrap:wrap;margin:2px 0 4px">'
+        f'{controls}<input class="pl-slider" type="range" min="0" max="{len(indices) - 1}" step="1" '
+        f'value="{first_shown}" aria-label="frame" style="flex:1;min-width:160px;max-width:520px">'
+        f'<span class="pl-label" style="font-family:monospace;min-width:16em">step {s0}</span>'
+        f'<label style="color:#555">speed <select class="pl-speed">{speeds}</select></label>'
+        f'<span style="color:#888;font-size:11px">keys: &#x2190; &#x2192; step, space play/pause</span></div>\n'
+        f'<div class="pl-static" style="color:#555;font-size:12px">trace explorer: step {s0} shown; the player '
+        f'(play, slider) runs in the browser and needs JavaScript: open the notebook in Jupyter, Colab or '
+        f'VS Code, or its HTML export.</div>\n'
+        + (f'<div class="pl-note" style="color:#8a5a00;font-size:12px">{_html.escape(note, quote=False)}</div>\n' if note else "")
+        + "\n".join(imgs)
+        + f"\n<script>{_EXPLORER_JS % {'id': uid, 'start': first_shown, 'interval': max(1, int(interval_ms))}}"
+        f"</script>\n</div>")
+    return TraceExplorer(html, uid, shown, indices, n)
+
+
+def explore_trace(trace, start: int = 0, interval_ms: int = 400, *, live: bool = False,
+                  max_frames: int | None = EXPLORER_MAX_FRAMES, dpi: int = EXPLORER_DPI, progress: bool = True):
+    """Step through a recorded trace: play/pause, a slider, the step number, a speed control and
+    the arrow keys, over draw_step's picture of each step.
+
+    By default the frames are rendered here, once, and the player runs in the browser (a
+    TraceExplorer, shown by Jupyter as HTML): it needs no kernel and no widgets, so it animates
+    during Run All, in Colab, in VS Code and in a static HTML export. At most `max_frames` frames
+    (evenly spaced; the first, the last and `start` always; None: every step) at `dpi` -- about
+    25 KB of HTML a frame (notebook 08: 54 frames, 1.4 MB), so 100 frames are about 2.5 MB. start:
+    the index in the trace shown first.
+
+    live=True: the ipywidgets version (Play + IntSlider, each frame drawn by the kernel when asked;
+    needs a running kernel; falls back to the browser player where widgets cannot run).
+    PAGEDLAB_STATIC=1: only the static figure of step `start` (returns the Figure)."""
     if not len(trace):
         raise ValueError("the trace is empty: run the engine with trace=True first")
     start = max(0, min(start, len(trace) - 1))
-    if not widgets_available():
+    if os.environ.get("PAGEDLAB_STATIC", "0") == "1":
         return draw_step(trace, start)
+    if live and widgets_available():
+        return _explore_live(trace, start, interval_ms)
+    return explorer_html(trace, start=start, interval_ms=interval_ms, max_frames=max_frames, dpi=dpi,
+                         progress=progress)
+
+
+def _explore_live(trace, start: int, interval_ms: int):
+    """The kernel-driven explorer: a play button and a slider (linked) redraw draw_step in an
+    Output. Displayed with a PNG of the start frame beside it, so a static view of the notebook
+    shows that figure where the widget cannot render."""
     import ipywidgets as widgets
     from IPython.display import clear_output, display
 

@@ -165,3 +165,227 @@ def test_pool_panel_any_size(n):
         assert ax.images and ax.images[0].get_array().shape[1] == n and not ax.texts
     assert len(viz.fig_to_png(fig)) > 1000
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- the browser explorer
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+from html.parser import HTMLParser  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from pagedlab.trace import Trace  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ring(trace):
+    """The tiny trace's last 12 steps in a ring that dropped the older ones: step numbers that are
+    not the indices (trace[0].step == 37)."""
+    r = Trace(trace.num_slots, trace.block_size, trace.num_blocks, max_steps=12)
+    for s in trace.steps:
+        r.append(s)
+    assert len(r) == 12 and r[0].step == len(trace) - 12
+    return r
+
+
+@pytest.fixture(scope="module")
+def explorer(ring):
+    return viz.explore_trace(ring, start=4, progress=False)
+
+
+def _frames(html: str) -> list[dict]:
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.imgs = []
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "img" and "pl-frame" in a.get("class", ""):
+                self.imgs.append(a)
+    p = P()
+    p.feed(html)
+    return p.imgs
+
+
+def test_explorer_one_frame_per_step_labelled_with_the_engines_step(ring, explorer):
+    e = explorer
+    assert isinstance(e, viz.TraceExplorer) and e._repr_html_() == e.html
+    imgs = _frames(e.html)
+    assert len(imgs) == len(ring) == e.html.count("data:image/png;base64,")
+    assert [int(a["data-step"]) for a in imgs] == [s.step for s in ring.steps] == e.steps
+    assert e.steps[0] == ring[0].step != 0                       # the engine's numbers, not indices
+    assert all(a["src"].startswith("data:image/png;base64,") for a in imgs)
+    visible = [a for a in imgs if "display:block" in a["style"]]
+    assert len(visible) == 1 and int(visible[0]["data-index"]) == 4      # `start` is an index
+    assert "Frames skipped" not in e.html and not e.skipped
+    # self-contained: one inline script, nothing fetched, no widgets
+    assert e.html.count("<script") == 1 and "<script src" not in e.html
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", e.html)
+    assert "widget" not in e.html
+    assert 1_000 < e.nbytes < 60_000 * len(ring)                 # ~20 KB a frame at dpi 80
+    assert "12 frames of 12 steps" in repr(e)
+
+
+def test_explorer_frame_subsampling_keeps_first_last_and_start():
+    for n in (1, 2, 5, 49, 100, 101, 439, 10_000):
+        for m in (2, 3, 10, 100):
+            for keep in (0, n // 3, n - 1):
+                got = viz.explorer_frames(n, m, keep=keep)
+                assert got == sorted(set(got)) and got[0] == 0 and got[-1] == n - 1
+                assert len(got) == min(n, m)
+                if m > 2 or n <= m:
+                    assert keep in got, (n, m, keep)
+    assert viz.explorer_frames(7, None) == list(range(7))
+    with pytest.raises(ValueError):
+        viz.explorer_frames(10, 1)
+
+
+def test_explorer_subsampled_html(trace):
+    e = viz.explore_trace(trace, start=20, max_frames=5, progress=False)
+    want = viz.explorer_frames(len(trace), 5, keep=20)
+    imgs = _frames(e.html)
+    assert [int(a["data-index"]) for a in imgs] == want and 20 in want
+    assert [int(a["data-step"]) for a in imgs] == [trace[i].step for i in want] == e.steps
+    assert e.skipped and "Frames skipped: 5 of the trace's 49 steps" in e.html
+
+
+def test_explorer_ids_unique_per_call(ring):
+    a = viz.explore_trace(ring, max_frames=2, progress=False)
+    b = viz.explore_trace(ring, max_frames=2, progress=False)
+    assert a.id != b.id
+    for e in (a, b):
+        ids = re.findall(r'\bid="([^"]+)"', e.html)
+        assert ids == [e.id]                                      # one id, and the script looks it up
+        assert f'getElementById("{e.id}")' in e.html
+    both = a.html + b.html
+    assert len(re.findall(r'\bid="([^"]+)"', both)) == len(set(re.findall(r'\bid="([^"]+)"', both))) == 2
+
+
+def test_explorer_defaults_and_fallbacks(ring, monkeypatch, tmp_path):
+    # live=True outside a kernel: the browser player (the widget needs a kernel)
+    e = viz.explore_trace(ring, live=True, max_frames=2, progress=False)
+    assert isinstance(e, viz.TraceExplorer)
+    page = Path(e.save(tmp_path / "x.html")).read_text()
+    assert page.startswith("<!DOCTYPE html>") and e.html in page
+    monkeypatch.setenv("PAGEDLAB_STATIC", "1")                   # one static figure, as before
+    fig = viz.explore_trace(ring, start=3, max_frames=2)
+    assert hasattr(fig, "savefig")
+    plt.close(fig)
+
+
+NODE_DOM = r"""
+// A minimal DOM for the explorer's script: the elements of its HTML (parsed in Python), the
+// selectors it uses (".cls", "tag.cls", "tag[attr]"), events and timers by hand.
+const spec = JSON.parse(require("fs").readFileSync(process.argv[2], "utf8"));
+function El(tag, attrs) {
+  this.tagName = tag.toUpperCase(); this.attrs = attrs; this.style = {}; this.listeners = {};
+  this.textContent = ""; this.value = attrs.value || "";
+  const st = attrs.style || "";
+  st.split(";").forEach(kv => { const i = kv.indexOf(":"); if (i > 0) this.style[kv.slice(0, i).trim()] = kv.slice(i + 1).trim(); });
+}
+El.prototype.getAttribute = function (k) { return k in this.attrs ? this.attrs[k] : null; };
+El.prototype.setAttribute = function (k, v) { this.attrs[k] = String(v); };
+El.prototype.addEventListener = function (t, f) { (this.listeners[t] = this.listeners[t] || []).push(f); };
+El.prototype.fire = function (t, extra) {
+  const ev = Object.assign({ type: t, target: this, defaultPrevented: false, stopped: false,
+    preventDefault() { this.defaultPrevented = true; }, stopPropagation() { this.stopped = true; } }, extra || {});
+  for (let el = this; el; el = el.parent) {            // bubble up to the root
+    (el.listeners[t] || []).forEach(f => f(ev));
+    if (ev.stopped) break;
+  }
+  return ev;
+};
+const els = spec.elements.map(e => new El(e.tag, e.attrs));
+const root = els[0];
+els.slice(1).forEach(e => { e.parent = root; });
+function matches(e, sel) {
+  const m = sel.match(/^([a-z]*)(?:\.([\w-]+))?(?:\[([\w-]+)\])?$/);
+  if (!m) throw new Error("selector the stub does not know: " + sel);
+  return (!m[1] || e.tagName === m[1].toUpperCase()) && (!m[2] || (e.attrs["class"] || "").split(/\s+/).includes(m[2]))
+      && (!m[3] || m[3] in e.attrs);
+}
+root.querySelectorAll = sel => els.slice(1).filter(e => matches(e, sel));
+root.querySelector = sel => root.querySelectorAll(sel)[0] || null;
+const timers = {}; let nextTimer = 1;
+global.setInterval = (f, ms) => { timers[nextTimer] = { f, ms }; return nextTimer++; };
+global.clearInterval = id => { delete timers[id]; };
+global.document = { getElementById: id => (id === root.attrs.id ? root : null) };
+eval(spec.script);
+const frames = root.querySelectorAll("img.pl-frame");
+const q = s => root.querySelector(s);
+const state = () => ({ frame: Number(root.getAttribute("data-frame")),
+  visible: frames.map((f, i) => f.style.display === "block" ? i : -1).filter(i => i >= 0),
+  src: frames.filter(f => f.style.display === "block").map(f => f.getAttribute("src").slice(-24)),
+  label: q(".pl-label").textContent, play: q(".pl-play").textContent, timers: Object.values(timers).map(t => t.ms),
+  controls: q(".pl-controls").style.display, static: q(".pl-static").style.display });
+const btn = act => root.querySelectorAll("button[data-act]").find(b => b.getAttribute("data-act") === act);
+const log = {};
+log.initial = state();
+btn("next").fire("click"); log.next = state();
+btn("prev").fire("click"); btn("prev").fire("click"); log.prev2 = state();
+log.arrow = root.fire("keydown", { key: "ArrowRight" }).defaultPrevented; log.afterArrow = state();
+q(".pl-slider").value = "0"; q(".pl-slider").fire("input"); log.slider0 = state();
+btn("play").fire("click"); log.playing = state();
+q(".pl-speed").value = "2"; q(".pl-speed").fire("change"); log.faster = state();
+for (let k = 0; k < 100 && Object.keys(timers).length; k++) Object.values(timers)[0].f();
+log.played = state();
+btn("first").fire("click"); log.first = state();
+btn("last").fire("click"); log.last = state();
+root.fire("keydown", { key: " " }); log.space = state();
+console.log(JSON.stringify(log));
+"""
+
+
+def _dom_spec(html: str) -> dict:
+    class P(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.elements, self.script, self._in_script = [], "", False
+
+        def handle_starttag(self, tag, attrs):
+            self._in_script = tag == "script"
+            a = {k: (v or "") for k, v in attrs}
+            if tag == "option" and "selected" in a:              # a <select>'s value: its selected option
+                next(e for e in reversed(self.elements) if e["tag"] == "select")["attrs"]["value"] = a["value"]
+            elif tag != "script":
+                self.elements.append({"tag": tag, "attrs": a})
+
+        def handle_endtag(self, tag):
+            self._in_script = False
+
+        def handle_data(self, data):
+            if self._in_script:
+                self.script += data
+    p = P()
+    p.feed(html)
+    return {"elements": p.elements, "script": p.script}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_explorer_script_runs_in_node(explorer, tmp_path):
+    """The explorer's own script, run by node against a stub DOM built from its own HTML: the
+    controls appear, next/prev/slider/keys/play change the frame shown, play stops at the end."""
+    spec = _dom_spec(explorer.html)
+    assert spec["elements"][0]["attrs"]["id"] == explorer.id and spec["script"].strip()
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    (tmp_path / "dom.js").write_text(NODE_DOM)
+    r = subprocess.run(["node", str(tmp_path / "dom.js"), str(tmp_path / "spec.json")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    log = json.loads(r.stdout)
+    steps, n = explorer.steps, len(explorer.steps)
+    init = log["initial"]
+    assert init["controls"] == "flex" and init["static"] == "none"      # JS on: controls in, note out
+    assert init["visible"] == [4] and init["label"].startswith(f"step {steps[4]} ")
+    assert log["next"]["visible"] == [5] and log["next"]["label"].startswith(f"step {steps[5]} ")
+    assert log["next"]["src"] != init["src"]                            # another picture is shown
+    assert log["prev2"]["visible"] == [3]
+    assert log["arrow"] is True and log["afterArrow"]["visible"] == [4]
+    assert log["slider0"]["visible"] == [0] and log["slider0"]["frame"] == 0
+    assert log["playing"]["timers"] == [400] and "pause" in log["playing"]["play"]
+    assert log["faster"]["timers"] == [200]
+    assert log["played"]["visible"] == [n - 1] and log["played"]["timers"] == [] and "play" in log["played"]["play"]
+    assert log["first"]["visible"] == [0] and log["last"]["visible"] == [n - 1]
+    assert log["space"]["visible"] == [0] and log["space"]["timers"] == [200]   # play at the end restarts, 2x
