@@ -203,6 +203,7 @@ class LLM:
             groups = [None, None]            # filled in below; the finalizer reads them when it runs
             self._close = weakref.finalize(self, shutdown_workers, workers, tp, dp, groups)
             try:
+                workers.wait_started()
                 group, self._router = groups[:] = init_world(0, spec)
                 if group is not None:
                     group.on_failure, group.on_stop = workers.failure, self._close

@@ -276,3 +276,20 @@ def test_an_error_on_rank_0_mid_step_stops_the_workers(monkeypatch):
     assert no_children()
     with pytest.raises(RuntimeError, match="planted failure"):
         llm.generate(prompts, greedy)
+
+
+def test_a_script_without_a_main_guard_gets_told_not_hung(tmp_path):
+    """spawn re-imports the __main__ script in each worker; without `if __name__ == "__main__":`
+    the worker dies while starting. Rank 0 must say so at once, not wait for it to join."""
+    script = tmp_path / "noguard.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from helpers import tiny_llm
+        from pagedlab import tiny_config
+        llm = tiny_llm(config=tiny_config(), tensor_parallel_size=2)
+    """))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and time.monotonic() - t0 < 60
+    assert "exited with code 1 before it started" in r.stderr and '__name__ == "__main__"' in r.stderr

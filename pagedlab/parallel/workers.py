@@ -31,6 +31,8 @@ from .group import ParallelGroup, WorkerFailed
 from .shard import shard, split_rule
 
 WAIT = timedelta(days=7)        # a worker may wait this long for the next step (an idle engine)
+SETUP = timedelta(minutes=10)   # joining the world and receiving the weights
+START_TIMEOUT_S = 600.0         # a worker process must have started (imported pagedlab) by then
 JOIN_TIMEOUT_S = 20.0
 LEAVE_TIMEOUT_S = 20.0
 FAULT_ENV = "PAGEDLAB_TEST_FAIL_RANK"   # "rank:step": that rank raises at that step (tests only)
@@ -51,6 +53,7 @@ class WorldSpec:
     init_file: str = ""
     tokenizer: object = None       # replicas > 0 need it (their own engine)
     errors: object = None          # mp SimpleQueue: (rank, traceback) of a failed worker
+    ready: object = None           # mp SimpleQueue: each worker's rank once its process runs
     extra: dict = field(default_factory=dict)
 
     @property
@@ -67,7 +70,7 @@ def init_world(rank: int, spec: WorldSpec):
     if spec.device_type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("gloo", init_method=f"file://{spec.init_file}", rank=rank,
-                            world_size=spec.world, timeout=WAIT)
+                            world_size=spec.world, timeout=SETUP)
     mine = None
     for r in range(spec.dp):
         ranks = list(range(r * spec.tp, (r + 1) * spec.tp))
@@ -106,12 +109,31 @@ class Workers:
         fd, spec.init_file = tempfile.mkstemp(prefix="pagedlab-dist-")
         os.close(fd)
         os.unlink(spec.init_file)                       # the file store creates it
-        spec.errors = ctx.SimpleQueue()
+        spec.errors, spec.ready = ctx.SimpleQueue(), ctx.SimpleQueue()
         self.procs = [ctx.Process(target=worker_main, args=(g, spec), name=f"pagedlab-rank{g}", daemon=True)
                       for g in range(1, spec.world)]
         for p in self.procs:
             p.start()
         self.closed = False
+
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Wait until every worker process runs (has imported pagedlab). A worker that dies first --
+        most often a script without `if __name__ == "__main__":`, which spawn re-runs in the child --
+        is reported at once instead of leaving rank 0 waiting for it to join."""
+        import time
+        started, deadline = set(), time.monotonic() + timeout_s
+        while len(started) < len(self.procs):
+            while not self.spec.ready.empty():
+                started.add(self.spec.ready.get())
+            dead = [p for g, p in enumerate(self.procs, 1) if g not in started and not p.is_alive()]
+            if dead:
+                raise WorkerFailed(
+                    f"{dead[0].name} exited with code {dead[0].exitcode} before it started. Worker "
+                    f"processes are started with 'spawn', which imports your __main__ script again: in "
+                    f"a script, create the LLM under `if __name__ == \"__main__\":`.")
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"worker processes did not start within {timeout_s:.0f} s")
+            time.sleep(0.02)
 
     def failure(self, wait_s: float = 2.0) -> str | None:
         """The first failed worker's report (waits a little: it may still be writing it)."""
@@ -194,6 +216,7 @@ def leave_world(clean: bool, device_type: str = "cpu", timeout_s: float = LEAVE_
 def worker_main(rank: int, spec: WorldSpec) -> None:
     """Entry point of every rank but 0."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's business
+    spec.ready.put(rank)
     if spec.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))
     try:
