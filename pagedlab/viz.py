@@ -610,9 +610,9 @@ def explorer_html(trace, start: int = 0, interval_ms: int = 400, max_frames: int
     button = ('<button type="button" data-act="{0}" class="pl-{0}" title="{1}" style="padding:1px 8px;'
               'cursor:pointer">{2}</button>')
     controls = "".join(button.format(*b) for b in (
-        ("first", "first step (Home)", "|&#x25C0;"), ("prev", "previous step (&#x2190;)", "&#x25C0;"),
+        ("first", "first step (Home)", "&#x25C0;&#x25C0;"), ("prev", "previous step (&#x2190;)", "&#x25C0;"),
         ("play", "play / pause (space)", "&#x25B6; play"), ("next", "next step (&#x2192;)", "&#x25B6;"),
-        ("last", "last step (End)", "&#x25B6;|")))
+        ("last", "last step (End)", "&#x25B6;&#x25B6;")))
     speeds = "".join(f'<option value="{v}"{" selected" if v == 1 else ""}>{v:g}&#xD7;</option>'
                      for v in (0.25, 0.5, 1, 2, 4, 8))
     html = (
