@@ -63,10 +63,12 @@ def show_solution(name: str) -> None:
     print(inspect.getsource(solution(name)))
 
 
-def _pick(fn, name: str):
+def _pick(fn, name: str, find_solution=None):
+    """The piece to check: the learner's fn, or with PAGEDLAB_SOLUTIONS=1 the course's solution
+    (find_solution: a chapter's own loader; default this module's)."""
     if solutions_on():
         print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
-        return solution(name)
+        return (find_solution or solution)(name)
     return fn
 
 
@@ -82,10 +84,11 @@ def _call(fn, name, *args):
         raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
 
 
-def _not_written(name, e) -> str:
+def _not_written(name, e, module: str = "course") -> str:
+    """What a stub's check says (module: the name the notebook imported the chapter's checks as)."""
     return (f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
             f"Fill in the cell above and run it, then this check again. Stuck? "
-            f"course.show_solution({name.split('.')[0]!r}) prints one.")
+            f"{module}.show_solution({name.split('.')[0]!r}) prints one.")
 
 
 def _passed(name: str, what: str) -> None:

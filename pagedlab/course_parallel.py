@@ -48,7 +48,9 @@ from pathlib import Path
 
 import torch
 
-from .checks import CheckFailed, solutions_on
+from .checks import CheckFailed
+from .checks import _not_written as checks_not_written
+from .checks import _pick as checks_pick
 from .checks import solution as checks_solution
 from .config import LLAMA_3_2_1B, ModelConfig, tiny_config
 from .parallel import shard as ref
@@ -81,16 +83,11 @@ def show_solution(name: str) -> None:
 
 
 def _pick(fn, name):
-    if solutions_on():
-        print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
-        return solution(name)
-    return fn
+    return checks_pick(fn, name, solution)
 
 
 def _not_written(name, e) -> str:
-    return (f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
-            "Fill in the cell above and run it, then this check again. Stuck? "
-            f"parallel_course.show_solution({name!r}) prints one.")
+    return checks_not_written(name, e, "parallel_course")
 
 
 # -- N ranks: processes over gloo (or threads) ----------------------------------------------------------
@@ -629,7 +626,7 @@ def check_vocab_embedding(fn, seed: int = 2):
         raise CheckFailed(msg)
     for i, (what, ids, e) in enumerate(cases):
         want = e[ids]
-        v, n = e.shape[0], e.shape[0] // size
+        n = e.shape[0] // size
         for rank in range(size):
             got, calls = outs[rank]["result"][i]
             if _close(got, want):

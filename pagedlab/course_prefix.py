@@ -23,7 +23,9 @@ from __future__ import annotations
 import inspect
 import random
 
-from .checks import CheckFailed, solutions_on
+from .checks import CheckFailed
+from .checks import _not_written as checks_not_written
+from .checks import _pick as checks_pick
 from .checks import solution as checks_solution
 from .kv_cache import BlockAllocator, blocks_needed
 from .prefix_cache import hash_chain
@@ -43,16 +45,11 @@ def show_solution(name: str) -> None:
 
 
 def _pick(fn, name):
-    if solutions_on():
-        print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
-        return solution(name)
-    return fn
+    return checks_pick(fn, name, solution)
 
 
 def _not_written(name, e) -> str:
-    return (f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
-            "Fill in the cell above and run it, then this check again. Stuck? "
-            f"prefix_course.show_solution({name.split('.')[0]!r}) prints one.")
+    return checks_not_written(name, e, "prefix_course")
 
 
 def _call(fn, name, *args, **kwargs):
