@@ -98,12 +98,12 @@ def plot(result, path):
         ax.set_title(title, fontsize=10)
     ax = axes[2]
     for i, r in enumerate(rows):
-        step = r["profile"]["batch1"]["step_us"]
+        step = r["itl_p50_ms"] * 1e3                         # one stream: a decode step, steady state
         comm = r["profile"]["batch1"]["nccl_us"]
-        ax.bar(i, step, color="#bbbbbb", label="step (wall)" if i == 0 else None)
-        ax.bar(i, comm, color="#c44e52", label="in NCCL kernels" if i == 0 else None)
+        ax.bar(i, step, color="#bbbbbb", label="inter-token latency p50" if i == 0 else None)
+        ax.bar(i, comm, color="#c44e52", label="GPU time in NCCL kernels" if i == 0 else None)
     ax.set_xticks(range(len(rows)), names)
-    ax.set_title("batch-1 decode step (us)", fontsize=10)
+    ax.set_title("one stream: a decode step (us)", fontsize=10)
     ax.legend(fontsize=8)
     fig.suptitle(f"{result['model']}: {result['device_line']}", fontsize=9)
     fig.tight_layout()
