@@ -19,7 +19,8 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
-LLAMA3_VOCAB_SIZE = 128256      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
+LLAMA3_VOCAB_SIZE = 128256
+WORLD_ATTEMPTS = 3              # tries at forming a parallel LLM's torch.distributed world      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
 
 
 @dataclass
@@ -199,24 +200,35 @@ class LLM:
             spec = WorldSpec(tp, dp, device.type, engine_config.dtype, ckpt.config, engine_config, backend,
                              kernel_options, {n: tuple(t.shape) for n, t in ckpt.tensors.items()},
                              tokenizer=tokenizer if dp > 1 else None)
-            self._workers = workers = Workers(spec)
-            groups = [None, None]            # filled in below; the finalizer reads them when it runs
-            self._close = weakref.finalize(self, shutdown_workers, workers, tp, dp, groups)
-            try:
-                workers.wait_started()
-                group, self._router = groups[:] = init_world(0, spec)
-                if group is not None:
-                    group.on_failure, group.on_stop = workers.failure, self._close
-                send_weights(ckpt.tensors, spec, dtype)
-                self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
-                            kernel_options, group)
-            except Exception as e:
-                why = getattr(e, "fatal", False) and str(e) or workers.failure(wait_s=2.0)
-                self._close()
-                if why and not getattr(e, "fatal", False):
-                    from .parallel.group import WorkerFailed
-                    raise WorkerFailed(why) from e
-                raise
+            for attempt in range(WORLD_ATTEMPTS):
+                self._workers = workers = Workers(spec)
+                groups = [None, None]        # filled in below; the finalizer reads them when it runs
+                self._close = weakref.finalize(self, shutdown_workers, workers, tp, dp, groups)
+                try:
+                    workers.wait_started()
+                    try:
+                        group, self._router = groups[:] = init_world(0, spec)
+                    except RuntimeError:
+                        # gloo's connection mesh over the loopback fails now and then while it is
+                        # set up (before any weight or step): start the processes again
+                        if attempt + 1 < WORLD_ATTEMPTS:
+                            self._close.detach()
+                            workers.shutdown()       # no goodbye: end the processes at once
+                            continue
+                        raise
+                    if group is not None:
+                        group.on_failure, group.on_stop = workers.failure, self._close
+                    send_weights(ckpt.tensors, spec, dtype)
+                    self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
+                                kernel_options, group)
+                    break
+                except Exception as e:
+                    why = getattr(e, "fatal", False) and str(e) or workers.failure(wait_s=2.0)
+                    self._close()
+                    if why and not getattr(e, "fatal", False):
+                        from .parallel.group import WorkerFailed
+                        raise WorkerFailed(why) from e
+                    raise
         else:
             self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
                         kernel_options, None, allocator=allocator, scheduler=scheduler,

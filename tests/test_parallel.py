@@ -293,3 +293,24 @@ def test_a_script_without_a_main_guard_gets_told_not_hung(tmp_path):
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and time.monotonic() - t0 < 60
     assert "exited with code 1 before it started" in r.stderr and '__name__ == "__main__"' in r.stderr
+
+
+def test_a_failed_connection_mesh_is_tried_again(monkeypatch, reference):
+    """gloo's loopback mesh set-up fails now and then (seen about once in a few hundred starts):
+    the LLM starts its processes again instead of failing; the old ones are gone."""
+    import pagedlab.parallel.workers as W
+    real, calls = W.init_world, [0]
+
+    def flaky(rank, spec):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("planted: Connection closed by peer (connectFullMesh)")
+        return real(rank, spec)
+    monkeypatch.setattr(W, "init_world", flaky)
+    prompts, greedy, _ = workload()
+    t0 = time.monotonic()
+    with tiny_llm(config=CONFIG, max_num_seqs=3, tensor_parallel_size=2) as llm:
+        assert calls[0] == 2 and time.monotonic() - t0 < 30
+        assert len(multiprocessing.active_children()) == 1
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == reference[0]
+    assert no_children()
