@@ -208,17 +208,17 @@ class LLM:
                     workers.wait_started()
                     try:
                         group, self._router = groups[:] = init_world(0, spec)
+                        send_weights(ckpt.tensors, spec, dtype)
                     except RuntimeError:
                         # gloo's connection mesh over the loopback fails now and then while it is
-                        # set up (before any weight or step): start the processes again
+                        # set up (on any rank, before any step): start the processes again
                         if attempt + 1 < WORLD_ATTEMPTS:
                             self._close.detach()
-                            workers.shutdown()       # no goodbye: end the processes at once
+                            workers.shutdown()       # no goodbye: end them at once, leave the world
                             continue
                         raise
                     if group is not None:
                         group.on_failure, group.on_stop = workers.failure, self._close
-                    send_weights(ckpt.tensors, spec, dtype)
                     self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
                                 kernel_options, group)
                     break
