@@ -314,3 +314,27 @@ def test_a_failed_connection_mesh_is_tried_again(monkeypatch, reference):
         assert len(multiprocessing.active_children()) == 1
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == reference[0]
     assert no_children()
+
+
+def test_tensor_parallel_behind_asyncllm_streams_the_same_tokens(reference):
+    """The server's engine thread drives a TP=2 engine: concurrent streams give generate()'s tokens
+    (collectives from a non-main thread; the Ctrl-C hold only applies on the main thread)."""
+    import asyncio
+    from pagedlab.async_llm import AsyncLLM
+    prompts, greedy, _ = workload()
+    with tiny_llm(config=CONFIG, max_num_seqs=3, tensor_parallel_size=2) as llm:
+        front = AsyncLLM(llm)
+
+        async def one(p, sp):
+            ids = []
+            async for d in front.generate(p, sp):
+                ids += d.token_ids
+            return ids
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(p, sp) for p, sp in zip(prompts, greedy)))
+        try:
+            assert asyncio.run(all_of_them()) == reference[0]
+        finally:
+            front.shutdown()
+    assert no_children()
