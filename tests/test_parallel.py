@@ -338,3 +338,21 @@ def test_tensor_parallel_behind_asyncllm_streams_the_same_tokens(reference):
         finally:
             front.shutdown()
     assert no_children()
+
+
+def test_tensor_parallel_with_prefix_caching_keeps_every_invariant():
+    """Prompts sharing prefixes, chunked prefill and preemption, prefix caching on, TP=2: the shared-
+    block invariants hold on rank 0 after every step (test_prefix_cache.drive), blocks are shared,
+    and the tokens equal one process's."""
+    from test_prefix_cache import drive, shared_prefix_prompts
+    rnd = random.Random(5)
+    prompts = shared_prefix_prompts(rnd, 14, 4)
+    params = [SamplingParams(max_new_tokens=rnd.randint(1, 12), ignore_eos=True) for _ in prompts]
+    arrival = [rnd.randint(0, 10) for _ in prompts]
+    kw = dict(config=CONFIG, prefix_caching=True, max_num_seqs=5, block_size=4, num_blocks=22,
+              max_num_batched_tokens=9)
+    one = drive(tiny_llm(**kw), prompts, params, arrival)
+    with tiny_llm(tensor_parallel_size=2, **kw) as llm:
+        two = drive(llm, prompts, params, arrival)
+        assert llm.engine.scheduler.allocator.prefix_hits > 0
+    assert {i: r.output_token_ids for i, r in two.items()} == {i: r.output_token_ids for i, r in one.items()}
