@@ -72,14 +72,15 @@ def _pick(fn, name: str, find_solution=None):
     return fn
 
 
-def _call(fn, name, *args):
-    """Call the learner's function; a stub or a crash becomes a CheckFailed naming the input."""
+def _call(fn, name, *args, module: str = "course", **kwargs):
+    """Call the learner's function; a stub or a crash becomes a CheckFailed naming the input
+    (module: the name the notebook imported the chapter's checks as, for the "Stuck?" hint)."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except CheckFailed:
         raise
     except NotImplementedError as e:
-        raise CheckFailed(_not_written(name, e)) from None
+        raise CheckFailed(_not_written(name, e, module)) from None
     except Exception as e:
         raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
 

@@ -24,6 +24,7 @@ import inspect
 import random
 
 from .checks import CheckFailed
+from .checks import _call as checks_call
 from .checks import _not_written as checks_not_written
 from .checks import _pick as checks_pick
 from .checks import solution as checks_solution
@@ -53,14 +54,7 @@ def _not_written(name, e) -> str:
 
 
 def _call(fn, name, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except CheckFailed:
-        raise
-    except NotImplementedError as e:
-        raise CheckFailed(_not_written(name, e)) from None
-    except Exception as e:
-        raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
+    return checks_call(fn, name, *args, module="prefix_course", **kwargs)
 
 
 def _short(x, n=160) -> str:
