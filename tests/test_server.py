@@ -547,3 +547,26 @@ def test_smollm2_chat_over_http(smollm2_llm):
         assert streamed == want.text
     finally:
         s.stop()
+
+
+def test_a_tensor_parallel_engine_behind_the_server(reference):
+    """serve(LLM(tensor_parallel_size=2)): concurrent HTTP completions give generate()'s tokens, and
+    stopping the server and closing the LLM leaves no process behind."""
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+    prompts = [[5, 6, 7], [9] * 20, [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    want = [o.token_ids for o in reference.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    llm = id_llm(tensor_parallel_size=2)
+    s = serve(llm, model_name=MODEL, port=0)
+    try:
+        def one(p):
+            body = dict(model=MODEL, prompt=p, max_tokens=12, temperature=0, ignore_eos=True)
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=DEADLINE_S)
+            assert r.status_code == 200, r.text
+            return ids_of(r.json()["choices"][0]["text"])
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(one, prompts)) == want
+    finally:
+        s.stop()
+        llm.close()
+    assert not multiprocessing.active_children()
