@@ -371,9 +371,7 @@ class LLM:
         try:
             for k in range(1, dp):
                 send([items[i] for i in shares[k]], k * tp, self._router)
-            sent = True
         except Exception as e:
-            sent = False
             why = self._workers.failure(wait_s=2.0)
             self.close()
             raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; create a new LLM") from e
@@ -382,7 +380,7 @@ class LLM:
         finally:                 # even when interrupted: collect the others' answers to this call
             for k in range(1, dp):
                 try:
-                    results[k] = recv(k * tp, self._router) if sent else None
+                    results[k] = recv(k * tp, self._router)
                 except Exception as e:
                     why = self._workers.failure(wait_s=2.0)
                     self.close()
