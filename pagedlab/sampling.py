@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import InitVar, dataclass, field
+import functools
+import inspect
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,13 +27,6 @@ MAX_STOP_LENGTH = 256                     # characters per stop string
 MAX_REPETITION_PENALTY = 10.0
 
 
-class _Unset:
-    """The default of max_new_tokens: 64, unless the alias max_tokens is given."""
-    def __repr__(self):
-        return f"<{_DEFAULT_MAX_NEW_TOKENS} unless max_tokens is given>"
-
-
-_UNSET = _Unset()
 
 
 def _show(v) -> str:
@@ -88,8 +83,9 @@ class SamplingParams:
     inside a running engine step. Every error is a ValueError that starts with "SamplingParams:"
     and names the field and the value.
 
-    max_new_tokens  integer, 1 .. 2**31-1. `max_tokens` (the OpenAI / vLLM name) is accepted as an
-                    init-only alias; if both are given they must agree. Read max_new_tokens.
+    max_new_tokens  integer, 1 .. 2**31-1 (default 64). `max_tokens` is the same number under the
+                    OpenAI / vLLM name: SamplingParams(max_tokens=16) sets it, `.max_tokens` reads
+                    it; if both names are given they must agree.
     temperature     finite number, 0 .. 1e4 (0 = greedy); stored as a float.
     top_k           integer, 0 .. 2**31-1 (0 = off).
     top_p           finite number in (0, 1] (1 = off); stored as a float.
@@ -110,12 +106,13 @@ class SamplingParams:
                     text contains one; the returned text ends before it. Stored as a tuple.
     n               integer, 1 .. 128: samples per prompt. LLM.generate and the server expand it into
                     n requests (seeds seed, seed+1, ... when a seed is given); the engine takes n = 1.
+                    n > 1 needs temperature > 0: greedy samples would all be the same answer.
     logprobs        None (off) or an integer 0 .. 20: return the chosen token's log-probability and
                     that many most likely alternatives, for every output token (of the model's raw
                     distribution, before temperature and penalties).
     Booleans are refused wherever a number is expected.
     """
-    max_new_tokens: int = _UNSET      # type: ignore[assignment] -- 64 unless max_tokens is given
+    max_new_tokens: int = _DEFAULT_MAX_NEW_TOKENS
     temperature: float = 0.0          # 0 -> greedy
     top_k: int = 0                    # 0 -> off
     top_p: float = 1.0                # 1 -> off
@@ -129,20 +126,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     logprobs: int | None = None       # None -> off
-    max_tokens: InitVar[int | None] = None   # alias of max_new_tokens (init only)
 
-    def __post_init__(self, max_tokens):
+    @property
+    def max_tokens(self) -> int:
+        """max_new_tokens under its OpenAI / vLLM name."""
+        return self.max_new_tokens
+
+    def __post_init__(self):
         put = object.__setattr__             # frozen: normalized values are stored this way
-        given = self.max_new_tokens is not _UNSET
-        n = (_check_int("max_new_tokens", self.max_new_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
-             if given else _DEFAULT_MAX_NEW_TOKENS)
-        if max_tokens is not None:
-            m = _check_int("max_tokens", max_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
-            if given and m != n:
-                _bad(f"max_tokens={m} and max_new_tokens={n} disagree (max_tokens is an alias of "
-                     "max_new_tokens: give one of them)")
-            n = m
-        put(self, "max_new_tokens", n)
+        put(self, "max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens, 1, _INT32_MAX,
+                                               "in [1, 2**31-1]"))
         put(self, "temperature", _check_real("temperature", self.temperature, 0.0, _MAX_TEMPERATURE,
                                              "a finite number in [0, 1e4] (0 = greedy)"))
         put(self, "top_k", _check_int("top_k", self.top_k, 0, _INT32_MAX, "in [0, 2**31-1] (0 = off)"))
@@ -161,6 +154,9 @@ class SamplingParams:
                                                     lo_open=True))
         put(self, "stop", _check_stop_strings(self.stop))
         put(self, "n", _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]"))
+        if self.n > 1 and self.temperature == 0:
+            _bad(f"n={self.n} with temperature=0 (greedy, the default here) gives {self.n} identical "
+                 "answers: set temperature > 0 (vLLM's default is 1.0) to sample different ones, or n=1")
         if self.logprobs is not None:
             put(self, "logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
                                              f"in [0, {MAX_LOGPROBS}] or None"))
@@ -180,6 +176,31 @@ class SamplingParams:
         run ahead of."""
         return self.temperature == 0 and not self.has_penalties and self.logprobs is None
 
+
+
+def _accept_max_tokens(init):
+    """SamplingParams(max_tokens=N): the OpenAI / vLLM name of max_new_tokens, resolved before the
+    dataclass's own __init__ runs (so dataclasses.replace, which passes every field, never sees it)."""
+    @functools.wraps(init)
+    def __init__(self, *args, max_tokens=None, **kwargs):
+        if max_tokens is not None:
+            m = _check_int("max_tokens", max_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
+            given = args[0] if args else kwargs.get("max_new_tokens")
+            if given is not None:
+                n = _check_int("max_new_tokens", given, 1, _INT32_MAX, "in [1, 2**31-1]")
+                if m != n:
+                    _bad(f"max_tokens={m} and max_new_tokens={n} disagree (max_tokens is an alias of "
+                         "max_new_tokens: give one of them)")
+            elif not args:
+                kwargs["max_new_tokens"] = m
+        init(self, *args, **kwargs)
+    sig = inspect.signature(init)
+    __init__.__signature__ = sig.replace(parameters=[*sig.parameters.values(), inspect.Parameter(
+        "max_tokens", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="int | None")])
+    return __init__
+
+
+SamplingParams.__init__ = _accept_max_tokens(SamplingParams.__init__)
 
 def _check_stop_strings(stop) -> tuple[str, ...]:
     if isinstance(stop, str):

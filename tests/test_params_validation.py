@@ -129,7 +129,24 @@ def test_max_tokens_alias():
         SamplingParams(max_tokens=5, max_new_tokens=64)     # 64 given explicitly: still a conflict
     with pytest.raises(ValueError, match="max_tokens=5 and max_new_tokens=6"):
         SamplingParams(max_new_tokens=6, max_tokens=5)
-    assert "max_tokens" not in {f.name for f in dataclasses.fields(SamplingParams)}
+    assert "max_tokens" not in {f.name for f in dataclasses.fields(SamplingParams)}   # one stored number
+
+
+def test_max_tokens_reads_back_under_both_names():
+    assert SamplingParams(max_tokens=16).max_tokens == 16 == SamplingParams(max_new_tokens=16).max_tokens
+    assert SamplingParams().max_tokens == SamplingParams().max_new_tokens == 64
+    shorter = dataclasses.replace(SamplingParams(max_tokens=16, seed=1), max_new_tokens=3)
+    assert (shorter.max_tokens, shorter.seed) == (3, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SamplingParams().max_new_tokens = 5
+    with pytest.raises(AttributeError):
+        SamplingParams().max_tokens = 5
+
+
+def test_n_greedy_samples_are_refused_naming_the_way_out():
+    with pytest.raises(ValueError, match=r"n=2 with temperature=0 .* temperature > 0"):
+        SamplingParams(n=2)
+    assert SamplingParams(n=2, temperature=0.7).n == 2
 
 
 def test_sample_runs_at_the_int64_seed_extreme():

@@ -138,9 +138,9 @@ def test_n_samples_are_requests_with_consecutive_seeds(llm, prompts):
         assert len({tuple(x.token_ids) for x in o.outputs}) > 1
         assert o.usage["completion_tokens"] == 36 and o.usage["prompt_tokens"] == len(p)
     with pytest.raises(ValueError, match="n=2"):
-        llm.engine.add_request(prompts[0], SamplingParams(n=2))
+        llm.engine.add_request(prompts[0], SamplingParams(n=2, temperature=1.0))
     with pytest.raises(ValueError, match="n=3"):
-        next(llm.stream(prompts[0], SamplingParams(n=3)))
+        next(llm.stream(prompts[0], SamplingParams(n=3, temperature=1.0)))
     assert not llm.engine.has_work()
 
 
