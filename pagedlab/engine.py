@@ -34,7 +34,6 @@ from .request import PENDING, Request, RequestStatus  # noqa: F401  (PENDING re-
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Batch, Scheduler
-from .stop_strings import StopStrings
 from .trace import StepRecord, Trace
 
 CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4 GiB
@@ -131,7 +130,6 @@ class Engine:
         self.scheduler = (scheduler or Scheduler)(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
                                    record_views=cfg.trace, prefix_caching=cfg.prefix_caching, **extra)
-        self.scheduler.stop_strings = StopStrings(tokenizer)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
@@ -192,13 +190,24 @@ class Engine:
         so a bad request raises and running requests are untouched. Returns its id."""
         return self.add_checked(*self.check_request(prompt, params, chat))
 
-    def add_checked(self, ids: list[int], text: str | None, params: SamplingParams) -> int:
-        """Queue what check_request returned (a request without a seed draws one now)."""
+    def add_checked(self, ids: list[int], text: str | None, params: SamplingParams,
+                    request_id: int | None = None) -> int:
+        """Queue what check_request returned (a request without a seed draws one now). request_id:
+        given by a front end that numbers requests itself (engine_core.py); default the next free."""
         seed = params.seed if params.seed is not None else self.draw_seed()
-        req = Request(self._next_id, ids, params, seed, prompt=text)
-        self._next_id += 1
+        if request_id is None:
+            request_id = self._next_id
+        elif request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id} is already in use")
+        self._next_id = max(self._next_id, request_id + 1)
+        req = Request(request_id, ids, params, seed, prompt=text)
         self.scheduler.add(req)
         return req.request_id
+
+    def hand_back(self, finished: list[Request]) -> None:
+        """Finished requests a driver took from step() that were not its own (another caller added
+        them): the next step() hands them out again. The one way a finished request goes back."""
+        self.scheduler.finished[:0] = finished
 
     def draw_seed(self) -> int:
         """The seed of the next request queued without one: [0, 2**31), from EngineConfig.seed."""

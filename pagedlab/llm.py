@@ -4,7 +4,7 @@ from __future__ import annotations
 import numbers
 import os
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -13,7 +13,8 @@ from .engine import Engine, max_positions
 from .kernels import select_kernels
 from .model import LlamaModel
 from .parallel.shard import check_split
-from .request import Request
+from .engine_core import EngineCore
+from .output_processor import OutputProcessor, RequestOutput
 from .sampling import SEED_LIMIT, SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
@@ -21,51 +22,6 @@ from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 LLAMA3_VOCAB_SIZE = 128256
 WORLD_ATTEMPTS = 3              # tries at forming a parallel LLM's torch.distributed world      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str            # "stop", "length", "abort" or "error"
-    ttft_s: float                 # time to first token (from add_request)
-    itl_s: list[float]            # inter-token latencies
-    num_preemptions: int
-    stop_reason: str | None = None   # finish_reason "stop": which token (from which source) or string
-    error: str | None = None         # finish_reason "error": what went wrong
-    num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache (not computed)
-    logprobs: list | None = None     # SamplingParams.logprobs: a TokenLogprob per output token
-    outputs: list | None = None      # SamplingParams.n > 1: every sample's RequestOutput (this is [0])
-
-    @property
-    def usage(self) -> dict:
-        """Token counts as OpenAI's API reports them."""
-        n_out = sum(len(o.token_ids) for o in self.outputs) if self.outputs else len(self.token_ids)
-        return dict(prompt_tokens=len(self.prompt_token_ids), completion_tokens=n_out,
-                    total_tokens=len(self.prompt_token_ids) + n_out,
-                    prompt_tokens_details=dict(cached_tokens=self.num_cached_tokens))
-
-
-def make_output(req: Request, tokenizer, stop_sources: dict | None = None) -> RequestOutput:
-    times = req.token_times
-    stop_reason = None
-    if req.finish_reason == "stop" and req.stop_string is not None:
-        stop_reason = req.stop_string
-    elif req.finish_reason == "stop" and req.stop_token_id is not None:
-        t = req.stop_token_id
-        source = (stop_sources or {}).get(t) if t not in req.params.stop_token_ids else "stop_token_ids"
-        stop_reason = f"{tokenizer.decode([t])!r} (id {t}): {source or 'stop token'}"
-    return RequestOutput(
-        request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-        text=tokenizer.decode(req.output_token_ids, skip_special=True)[:req.text_end],
-        token_ids=list(req.output_token_ids), finish_reason=req.finish_reason,
-        ttft_s=times[0] - req.arrival_time if times else float("nan"),
-        itl_s=[b - a for a, b in zip(times, times[1:])], num_preemptions=req.num_preemptions,
-        stop_reason=stop_reason, error=req.error, num_cached_tokens=req.num_cached_tokens,
-        logprobs=list(req.logprobs) if req.params.logprobs is not None else None)
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -243,8 +199,10 @@ class LLM:
             kernels.decode_attention = decode_kernel
         self.model = LlamaModel(config, tensors, device, dtype, kernels,
                                 max_positions=max_positions(engine_config, config), tp=group,
-                                presharded=presharded)
+                                presharded=presharded, quantization=engine_config.quantization)
         self.engine = Engine(self.model, tokenizer, engine_config, allocator=allocator, scheduler=scheduler)
+        self.core = EngineCore(self.engine)          # the one driver of the engine's steps
+        self.outputs = OutputProcessor(tokenizer, self.engine.stop_token_ids)   # tokens -> text, outputs
         self._next_dp_id = 0
 
     @classmethod
@@ -285,9 +243,6 @@ class LLM:
     def trace(self):
         return self.engine.trace
 
-    def output(self, req: Request) -> RequestOutput:
-        return make_output(req, self.tokenizer, self.engine.stop_token_ids)
-
     def abort(self, request_id: int) -> bool:
         """Cancel a request (see Engine.abort)."""
         return self.engine.abort(request_id)
@@ -327,34 +282,36 @@ class LLM:
         """Queue checked requests (token ids, text, params), step until all finished; their
         outputs in order. Interrupted: its unfinished requests are aborted; requests that others
         added and that finish meanwhile are handed back to the engine."""
-        eng = self.engine
-        ids = [eng.add_checked(*item) for item in items]
-        wanted, done, others = set(ids), {}, []
+        core, proc = self.core, self.outputs
+        rids = core.add([(None, *item) for item in items])
+        for rid, (ids, text, params) in zip(rids, items):
+            proc.add(rid, ids, text, params)
+        wanted, done = set(rids), {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(ids), desc="requests", unit="req")
+            bar = tqdm(total=len(rids), desc="requests", unit="req")
         try:
             while len(done) < len(wanted):
-                for r in eng.step():
-                    if r.request_id not in wanted:
-                        others.append(r)
-                        continue
-                    done[r.request_id] = out = self.output(r)
-                    if bar:
-                        bar.update(1)
-                    if on_finish:
-                        on_finish(out)
+                changed, stopped = proc.process(core.step())
+                core.abort(stopped)                  # their text reached a stop string
+                for state in changed:
+                    if state.output is not None and state.request_id in wanted:
+                        done[state.request_id] = state.output
+                        if bar:
+                            bar.update(1)
+                        if on_finish:
+                            on_finish(state.output)
         finally:
             if len(done) < len(wanted):        # interrupted: no orphans left running
-                for rid in ids:
-                    if rid not in done:
-                        eng.abort(rid)
-                eng.scheduler.finished = [r for r in eng.scheduler.finished if r.request_id not in wanted]
-            eng.scheduler.finished[:0] = others   # not ours: the next engine.step() hands them out
+                unfinished = [rid for rid in rids if rid not in done]
+                core.abort(unfinished)
+                for rid in unfinished:
+                    proc.states.pop(rid, None)
+            self.engine.hand_back(core.take_foreign())
             if bar:
                 bar.close()
-        return [done[rid] for rid in ids]
+        return [done[rid] for rid in rids]
 
     def _run_replicas(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
         """Data parallelism: the router. Seeds are drawn here as one engine would draw them, each
@@ -404,26 +361,29 @@ class LLM:
         Text is detokenized incrementally and never splits a character. Closing the generator
         early (break, an exception, Ctrl-C) aborts the request; requests that others added and
         that finish meanwhile are handed back to the engine."""
-        from .streaming import RequestStream
         self._check_open()
         if self._router is not None:
             raise ValueError("stream() runs on one engine: with data_parallel_size > 1 use generate(), "
                              "or serve each replica as its own server behind a load balancer")
-        eng = self.engine
-        rid = eng.add_checked(*eng.check_request(prompt, params, chat=chat))
-        stream, others = RequestStream(eng.scheduler.requests[rid], self.tokenizer, self.output), []
+        core, proc = self.core, self.outputs
+        ids, text, params = self.engine.check_request(prompt, params, chat=chat)
+        [rid] = core.add([(None, ids, text, params)])
+        state = proc.add(rid, ids, text, params, stream=True)
         try:
             while True:
-                others += [r for r in eng.step() if r is not stream.req]
-                delta = stream.delta()
+                if state.output is None:
+                    changed, stopped = proc.process(core.step())
+                    core.abort(stopped)
+                delta = state.delta()
                 if delta is not None:
                     yield delta
                     if delta.finished:
                         return
         finally:
-            eng.abort(rid)                      # a no-op once it has finished
-            eng.scheduler.finished = [r for r in eng.scheduler.finished if r is not stream.req]
-            eng.scheduler.finished[:0] = others
+            if state.output is None:
+                core.abort([rid])
+                proc.states.pop(rid, None)
+            self.engine.hand_back(core.take_foreign())
 
     def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:
         return self.generate(prompts, params, chat=True, **kw)

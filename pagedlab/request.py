@@ -39,9 +39,6 @@ class Request:
     block_keys: list = field(default_factory=list)    # prefix-cache keys of its full blocks (prefix_cache.py)
     num_registered_blocks: int = 0            # its blocks[:n] were named in the prefix cache
     logprobs: list = field(default_factory=list)   # params.logprobs: a TokenLogprob per output token
-    stop_string: str | None = None            # the stop string that stopped it (finish_reason "stop")
-    text_end: int | None = None               # output text ends here (before the stop string)
-    detok: object = None                      # incremental detokenizer of the stop-string check
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None

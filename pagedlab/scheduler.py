@@ -87,7 +87,6 @@ class Scheduler:
         self.stop_token_ids = dict(stop_token_ids or {})   # token id -> where it comes from (EOS)
         self.record_views = record_views
         self.prefix_caching = prefix_caching
-        self.stop_strings = None      # stop_strings.StopStrings: stop strings need the tokenizer (engine)
         if allocator is None:
             self.allocator = BlockAllocator(num_blocks)
         else:
@@ -330,8 +329,6 @@ class Scheduler:
         if (tok in self.stop_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             r.stop_token_id = tok
             return "stop"
-        if p.stop and self.stop_strings is not None and self.stop_strings.check(r, i):
-            return "stop"             # the text now holds one of the request's stop strings
         if i + 1 >= p.max_new_tokens or len(r.prompt_token_ids) + i + 1 >= self.max_model_len:
             return "length"
         return None
