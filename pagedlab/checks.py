@@ -39,19 +39,19 @@ def solutions_on() -> bool:
 
 
 def pieces_path(pieces_file: str = "pieces.py") -> Path | None:
-    """Where a chapter's piece solutions are: solutions/ beside the notebook, or in the clone."""
-    for p in (Path.cwd() / "solutions" / pieces_file,
-              Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / pieces_file):
-        if p.exists():
-            return p
-    return None
+    """Where a chapter's piece solutions are: solutions/ beside the notebook (a clone's
+    notebooks/), else the copy pagedlab ships (pagedlab.course_data: installed or cloned)."""
+    from . import course_data
+    p = Path.cwd() / "solutions" / pieces_file
+    return p if p.is_file() else course_data.path(f"solutions/{pieces_file}")
 
 
 def solution(name: str, pieces_file: str = "pieces.py"):
     """The course's solution of piece `name` (from notebooks/solutions/<pieces_file>)."""
     path = pieces_path(pieces_file)
     if path is None:
-        raise CheckFailed(f"notebooks/solutions/{pieces_file} is not here: see notebooks/solutions/ in the repository")
+        raise CheckFailed(f"solutions/{pieces_file} is not in this pagedlab ({Path(__file__).parent}): "
+                          "reinstall it, or see notebooks/solutions/ in the repository")
     spec = importlib.util.spec_from_file_location(f"pagedlab_course_{Path(pieces_file).stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

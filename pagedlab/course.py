@@ -145,19 +145,30 @@ from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_decod
 def exercise_solutions(name: str, namespace: dict, show: bool | None = None) -> None:
     """The exercises' solutions, notebooks/solutions/{name}.py: printed and run in the notebook's
     namespace when show=True or PAGEDLAB_SOLUTIONS=1; otherwise only says where they are."""
-    from pathlib import Path
+    from .checks import pieces_path
     show = solutions_on() if show is None else show
-    path = next((p for p in (Path.cwd() / "solutions" / f"{name}.py",
-                             Path(__file__).resolve().parents[1] / "notebooks" / "solutions" / f"{name}.py")
-                 if p.exists()), None)
+    path = pieces_path(f"{name}.py")
     if path is None:
-        print(f"solutions/{name}.py is not here: see notebooks/solutions/ in the repository")
+        print(f"solutions/{name}.py is not in this pagedlab: see notebooks/solutions/ in the repository")
     elif not show:
         print(f"Try the exercises first. To see (and run) the solutions: "
               f"course.exercise_solutions({name!r}, globals(), show=True)")
     else:
         print(path.read_text())
         exec(compile(path.read_text(), str(path), "exec"), namespace)
+
+
+def figure(name: str, width: int | None = None):
+    """One of the course's concept figures (figures/<name>.png), embedded in the cell's output: it
+    shows however Jupyter was started and wherever pagedlab is installed (a markdown image's
+    ../figures/ path breaks when the server's root is notebooks/, and outside a clone)."""
+    from IPython.display import Image
+    from .course_data import path
+    p = path(f"figures/{name}.png")
+    if p is None:
+        print(f"figures/{name}.png is not in this pagedlab: see figures/ in the repository")
+        return None
+    return Image(filename=str(p), width=width)
 
 
 def time_ms(fn, repeat: int = 5, warmup: int = 1):

@@ -58,7 +58,8 @@ from .parallel import shard as ref
 PIECES_FILE = "pieces_parallel.py"
 SIZE = 2                     # ranks in the checks: two processes
 TIMEOUT_S = 20.0             # a collective that waits longer than this fails (a rank that never joins)
-BENCH_JSON = Path(__file__).resolve().parents[1] / "docs" / "parallel_bench.json"
+# docs/parallel_bench.json, shipped with pagedlab as course data (pagedlab.course_data)
+BENCH_JSON = Path(__file__).resolve().parent / "course_data" / "parallel_bench.json"
 
 # SmolLM2-135M-Instruct's shape (its GGUF metadata): 9 query heads, 3 KV heads.
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -806,7 +807,11 @@ def model_config(model: str) -> ModelConfig:
 
 def load_parallel_bench(path: str | Path | None = None) -> dict | None:
     """docs/parallel_bench.json (the lab's run on two H200s), or None when it is not there."""
-    p = Path(path) if path else BENCH_JSON
-    if not p.exists():
+    if path is None:
+        from .course_data import path as course_file
+        p = course_file("parallel_bench.json")
+    else:
+        p = Path(path)
+    if p is None or not p.exists():
         return None
     return json.loads(p.read_text())

@@ -28,7 +28,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-H200_BENCH = Path(__file__).resolve().parents[1] / "docs" / "kernels_bench.json"
+# docs/kernels_bench.json, shipped with pagedlab as course data (pagedlab.course_data)
+H200_BENCH = Path(__file__).resolve().parent / "course_data" / "kernels_bench.json"
 # The shape of docs/kernels_bench.json's decode table (Llama-3.2-1B's attention, bf16, pages of 16).
 BENCH_SHAPE = dict(heads=32, kv_heads=8, head_dim=64, block_size=16, dtype_bytes=2)
 DEFAULT_BLOCK_N = {"naive": 1, "blocked": 64, "gqa": 128, "split_kv": 128}
@@ -126,8 +127,12 @@ def decode_costs(variant: str, batch: int, ctx: int, heads: int = 32, kv_heads: 
 def load_h200_bench(path: str | Path | None = None) -> dict | None:
     """docs/kernels_bench.json (the lab's H200 run), or None when it is not there (pagedlab
     installed without its repository)."""
-    p = Path(path) if path else H200_BENCH
-    if not p.exists():
+    if path is None:
+        from .course_data import path as course_file
+        p = course_file("kernels_bench.json")
+    else:
+        p = Path(path)
+    if p is None or not p.exists():
         return None
     return json.loads(p.read_text())
 
