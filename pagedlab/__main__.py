@@ -166,7 +166,7 @@ def check_serve_args(args) -> None:
         fail("--served-model-name must not be empty")
     if args.max_model_len is not None and args.max_model_len < 2:
         fail(f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
-    check_parallel_args(args, data_parallel=False)
+    check_parallel_args(args)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         fail(f"serve needs {', '.join(missing)}: pip install 'pagedlab[serve]'")
@@ -186,17 +186,23 @@ def check_serve_args(args) -> None:
 
 
 def serve(args) -> None:
+    """The engine core(s) in processes of their own (data parallelism: one per replica), the HTTP
+    front end here."""
     from .server import serve as run_server
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.prefix_caching:
         kw["prefix_caching"] = True
-    llm = _llm(args, **kw)
     name = args.served_model_name or args.model
-    print(f"serving {name} ({llm.checkpoint.source} on {llm.engine.device}, {args.slots} slots, "
-          f"at most {args.max_waiting} waiting) on http://{args.host}:{args.port}  (Ctrl-C stops)",
+    dp = args.data_parallel_size
+    print(f"loading {args.model} in {dp} engine core process{'es' if dp > 1 else ''} ...",
           file=sys.stderr, flush=True)
-    run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-               background=False, log_level=args.log_level)
+    run_server(args.model, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+               background=False, log_level=args.log_level, data_parallel_size=dp,
+               on_ready=lambda allm: print(
+                   f"serving {name} ({dp} x {args.slots} slots, at most {args.max_waiting} waiting) on "
+                   f"http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr, flush=True),
+               device=args.device, dtype=args.dtype, max_num_seqs=args.slots, attention_backend=args.backend,
+               tensor_parallel_size=args.tensor_parallel_size, **kw)
 
 
 def build_parser() -> ArgumentParser:
@@ -249,7 +255,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
     s.add_argument("--data-parallel-size", type=int, default=1,
-                   help="not for serve: run one server per GPU behind a load balancer")
+                   help="N engine cores (one process and GPU each) behind this one server, "
+                        "least-loaded routing (>= 1)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),
                        description="Benchmarks: kernels, engine, gemv, step on a CUDA GPU; serve "

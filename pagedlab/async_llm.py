@@ -1,123 +1,377 @@
-"""An asyncio front for the engine: many callers stream at once, one thread steps the engine.
+"""The front end: many asyncio callers at once, the engine core elsewhere.
 
-    llm = AsyncLLM(LLM("smollm2"))
-    async for delta in llm.generate("Hi!", SamplingParams(max_tokens=32), chat=True):
+    allm = AsyncLLM.from_model("smollm2")              # the engine core in a process of its own
+    allm = AsyncLLM(LLM("smollm2"))                    # or: an LLM of this process, on a thread
+    async for delta in allm.generate("Hi!", SamplingParams(max_tokens=32), chat=True):
         print(delta.text, end="")
 
-The engine is plain, single-threaded code. AsyncLLM gives it one thread of its own that loops:
-take new requests and aborts from a queue -> engine.step() -> hand each request's new tokens to its
-caller's asyncio queue. Callers never touch the engine. Leaving an `async for` early (break,
-cancellation, a client that went away) aborts the request and frees its blocks at the next step.
+The split (vLLM's EngineCore / front end, SGLang's scheduler / tokenizer processes):
+
+    front end, on the asyncio loop               engine core (core_process.py, or a thread)
+      check + tokenize, number the request  -->  add
+      route it to the least-loaded core          schedule -> run -> accept, every step
+      one OutputProcessor: detokenize,      <--  one StepOutput per step (token ids, endings)
+      stop strings, deltas, RequestOutputs
+      a caller left / a stop string         -->  abort
+
+Nothing per request crosses per step: one message per step in each direction. A caller is woken
+when its request moved; it computes its own delta (text) when it runs, so a slow client's steps
+coalesce into one delta. Leaving an `async for` early (break, cancellation, a client that went away)
+aborts the request; its blocks are freed at the core's next step.
+
+Data parallelism: from_model(..., data_parallel_size=N) starts N cores (one per GPU, or N on the
+CPU) behind this one front end; each request goes to the core with the least work assigned (prompt +
+max tokens of its unfinished requests). Seeds of requests without one are drawn here, as one engine
+would draw them, so N cores give one engine's outputs.
+
+A core that dies is seen at once (its pipe reaches end-of-file): every open stream ends with
+finish_reason "error", is_alive() turns False (the server's /health says so) and `on_core_death`
+(the CLI server: exit) runs.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
+import traceback
+from dataclasses import replace
 
-from .streaming import RequestStream
+import torch
+
+from .core_process import CoreInfo, CoreProcess, core_info
+from .engine import SEED_BITS, check_request
+from .output_processor import OutputProcessor, RequestState
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
 
 
+class CoreThread:
+    """An LLM of this process, its core stepped on a thread: the same messages as a core process,
+    through in-process queues (AsyncLLM(llm): tests, notebooks, serve(llm))."""
+
+    def __init__(self, llm):
+        self.llm, self.core = llm, llm.core
+        self.info: CoreInfo = core_info(llm, self.core)
+        self.dead: str | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._out: collections.deque = collections.deque()
+        self._wake = None                    # set by AsyncLLM: schedules its reader on its loop
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pagedlab-engine", daemon=True)
+        self.thread.start()
+
+    def send(self, msg) -> None:
+        self._commands.put(msg)
+
+    def messages(self):
+        while self._out:
+            yield self._out.popleft()
+
+    def is_alive(self) -> bool:
+        return self.dead is None and self.thread.is_alive() and not self._stop.is_set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        self.thread.join(timeout)
+
+    def _deliver(self, msg) -> None:
+        self._out.append(msg)
+        wake = self._wake
+        if wake is not None:
+            wake()
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._stop.is_set():
+                self._take_commands(block=not core.has_work())
+                if core.has_work():
+                    step = core.step()
+                    if step.updates:
+                        self._deliver(("step", step))
+        except BaseException as e:              # the engine itself failed: every stream learns it
+            self._deliver(("died", f"the engine stopped: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            return
+        core.abort(list(core.sent))             # shut down: nothing is left running
+        while core.has_work():
+            step = core.step()
+            if step.updates:
+                self._deliver(("step", step))
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            msg = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if msg[0] == "add":
+                self.core.add(msg[1])
+            elif msg[0] == "abort":
+                self.core.abort(msg[1])
+            try:
+                msg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+
 class _Caller:
-    """One request's caller: its asyncio loop and queue, and how far it has been streamed."""
+    """One request's caller: its state in the output processor, its core, an event that says the
+    request moved."""
+    __slots__ = ("state", "core", "cost", "event")
 
-    def __init__(self, loop):
-        self.loop, self.queue, self.stream = loop, asyncio.Queue(), None
-
-    def put(self, item):
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def __init__(self, state: RequestState, core: int, cost: int):
+        self.state, self.core, self.cost, self.event = state, core, cost, asyncio.Event()
 
 
 class AsyncLLM:
     def __init__(self, llm):
+        """Serve an LLM built in this process: its engine core runs on a thread of this process."""
         if getattr(llm, "data_parallel_size", 1) > 1:
-            raise ValueError("AsyncLLM drives one engine: with data_parallel_size > 1 use LLM.generate, "
-                             "or one server per GPU behind a load balancer")
+            raise ValueError("AsyncLLM(llm) drives one engine: for data parallelism use "
+                             "AsyncLLM.from_model(model, data_parallel_size=N) (or serve "
+                             "--data-parallel-size N), which starts one engine core per replica")
         self.llm, self.engine = llm, llm.engine
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[int, _Caller] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pagedlab-engine", daemon=True)
-        self._thread.start()
+        self._init([CoreThread(llm)])
 
-    # -- the caller's side (any asyncio task) -----------------------------------------
-    async def generate(self, prompt, params=None, chat: bool = False):
-        """Yield StreamDelta's for one prompt; the last has finished=True and the RequestOutput.
-        Bad input raises here, before anything is queued."""
-        if self._stop.is_set():
-            raise RuntimeError("AsyncLLM was shut down")
-        checked = self.engine.check_request(prompt, params, chat=chat)     # read-only: safe here
-        caller = _Caller(asyncio.get_running_loop())
-        self._commands.put(("add", checked, caller))
-        done = False
+    @classmethod
+    def from_model(cls, model=None, *, data_parallel_size: int = 1, **llm_kwargs) -> "AsyncLLM":
+        """Start data_parallel_size engine cores, each in a process of its own building
+        LLM(model, **llm_kwargs); returns once every one is ready. On GPUs, core k gets GPUs
+        k*T .. k*T+T-1 (T = tensor_parallel_size)."""
+        from .llm import parallel_sizes
+        tp, dp = parallel_sizes(llm_kwargs.get("tensor_parallel_size", 1), data_parallel_size)
+        if model is not None:
+            llm_kwargs["model"] = model
+        device = str(llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.startswith("cuda") and dp > 1 and torch.cuda.device_count() < tp * dp:
+            raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} GPUs; "
+                             f"torch sees {torch.cuda.device_count()}")
+        cores = []
         try:
-            while not done:
-                item = await caller.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                done = item.finished
-                yield item
-        finally:
-            if not done:
-                self._commands.put(("abort", caller, None))
+            for k in range(dp):
+                env = {}
+                if device.startswith("cuda") and dp > 1:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * tp + j) for j in range(tp))
+                cores.append(CoreProcess(dict(llm_kwargs, show_progress=k == 0 and
+                                              llm_kwargs.get("show_progress", True)),
+                                         env, name=f"pagedlab-core{k}"))
+            for c in cores:
+                c.wait_ready()
+        except BaseException:
+            for c in cores:
+                c.kill()
+            raise
+        self = cls.__new__(cls)
+        self.llm = self.engine = None
+        self._init(cores)
+        return self
+
+    def _init(self, cores) -> None:
+        self.cores = cores
+        info = cores[0].info
+        self.tokenizer, self.vocab_size, self.pool_hint = info.tokenizer, info.vocab_size, info.pool_hint
+        self.max_model_len = min(c.info.max_model_len for c in cores)
+        self.max_num_seqs = sum(c.info.max_num_seqs for c in cores)
+        self.model_name = info.model_name
+        self.outputs = OutputProcessor(info.tokenizer, info.stop_sources)
+        self._seeds = torch.Generator().manual_seed(info.seed) if len(cores) > 1 else None
+        self._stats = [dict(c.info.stats) for c in cores]
+        self._load = [0] * len(cores)
+        self._callers: dict[int, _Caller] = {}
+        self._next_id = 0
+        self._pending: list[list] = [[] for _ in cores]     # adds and aborts not sent yet, per core
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        self.on_core_death = None           # called once, on the loop, when a core dies
+
+    # -- what the server reads -----------------------------------------------------------------
+    def check_request(self, prompt, params=None, chat: bool = False):
+        """What the core would refuse, refused here, before anything is queued (token ids, text, params)."""
+        return check_request(prompt, params, chat, self.tokenizer, self.vocab_size, self.max_model_len,
+                             self.pool_hint)
+
+    def stats(self) -> dict:
+        """The engine's gauges summed over its cores (running, waiting, KV blocks ...), as of each
+        core's last step (an engine on a thread: read now)."""
+        per_core = [c.core.stats() if isinstance(c, CoreThread) else s for c, s in zip(self.cores, self._stats)]
+        total = {}
+        for s in per_core:
+            for k, v in s.items():
+                total[k] = total.get(k, 0) + v
+        if "prefix_queries" in total:
+            total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
+        return total
 
     def is_alive(self) -> bool:
-        """Is the engine thread running (not shut down, not stopped by an engine failure)?"""
-        return self._thread.is_alive() and not self._stop.is_set()
+        """Is every engine core running (not shut down, not dead)?"""
+        return not self._stopped and all(c.is_alive() for c in self.cores)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (unfinished requests are aborted)."""
-        self._stop.set()
-        self._commands.put(("wake", None, None))
-        self._thread.join(timeout)
-
-    # -- the engine thread ------------------------------------------------------------
-    def _loop(self) -> None:
-        eng = self.engine
+    # -- the caller's side ---------------------------------------------------------------------
+    async def generate(self, prompt, params=None, chat: bool = False, stream: bool = True):
+        """Yield StreamDelta's for one prompt; the last has finished=True and the RequestOutput.
+        stream=False: only that last one. Bad input raises here, before anything is queued."""
+        if not self.is_alive():
+            raise RuntimeError("AsyncLLM was shut down" if self._stopped else
+                               "the engine core stopped: " + (self._why_dead() or "?"))
+        ids, text, params = self.check_request(prompt, params, chat)
+        self._attach(asyncio.get_running_loop())
+        if self._seeds is not None and params.seed is None:
+            params = replace(params, seed=int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seeds)))
+        rid, self._next_id = self._next_id, self._next_id + 1
+        k = min(range(len(self.cores)), key=lambda i: (not self.cores[i].is_alive(), self._load[i]))
+        cost = len(ids) + params.max_new_tokens
+        state = self.outputs.add(rid, ids, text, params, stream=stream)
+        caller = self._callers[rid] = _Caller(state, k, cost)
+        self._load[k] += cost
+        self._queue(k, ("add", (rid, ids, text, params)))
+        done = False
         try:
-            while not self._stop.is_set():
-                self._take_commands(block=not eng.has_work())
-                if eng.has_work():
-                    eng.step()
-                    self._send()
-        except BaseException as e:          # the engine itself failed: every stream learns it
-            for s in self._streams.values():
-                s.put(RuntimeError(f"the engine stopped: {type(e).__name__}: {e}"))
-            self._streams.clear()
-            self._stop.set()
-            return
-        for rid in list(self._streams):
-            eng.abort(rid)
-        while eng.has_work():
-            eng.step()
+            while True:
+                await caller.event.wait()
+                caller.event.clear()
+                delta = state.delta()
+                if delta is None:
+                    continue
+                done = delta.finished
+                yield delta
+                if done:
+                    return
+        finally:
+            if not done and state.output is None:     # the caller left: abort it in its core
+                self.outputs.states.pop(rid, None)
+                self._forget(rid)
+                self._queue(k, ("abort", rid))
 
-    def _take_commands(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
+    # -- messages ------------------------------------------------------------------------------
+    def _queue(self, k: int, item) -> None:
+        """Adds and aborts go out once per turn of the loop, one message per core."""
+        self._pending[k].append(item)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        for core, pending in zip(self.cores, self._pending):
+            if not pending:
+                continue
+            adds = [it[1] for it in pending if it[0] == "add"]
+            aborts = [it[1] for it in pending if it[0] == "abort"]
+            pending.clear()
+            if adds:
+                core.send(("add", adds))
+            if aborts:
+                core.send(("abort", aborts))
+
+    def _attach(self, loop) -> None:
+        """Read the cores' messages on this loop (the first caller's; a later asyncio.run's loop
+        takes over once the earlier one is closed)."""
+        if self._loop is loop:
             return
-        while True:
-            what, a, b = cmd
-            if what == "add":
-                rid = self.engine.add_checked(*a)
-                b.stream = RequestStream(self.engine.scheduler.requests[rid], self.llm.tokenizer, self.llm.output)
-                self._streams[rid] = b
-            elif what == "abort" and a.stream is not None and a.stream.req.request_id in self._streams:
-                self.engine.abort(a.stream.req.request_id)
-                del self._streams[a.stream.req.request_id]
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
+        old, self._loop = self._loop, loop
+        for k, core in enumerate(self.cores):
+            if isinstance(core, CoreThread):
+                core._wake = lambda k=k: loop.call_soon_threadsafe(self._read, k)
+            else:
+                if old is not None and not old.is_closed():
+                    old.remove_reader(core.fileno())
+                loop.add_reader(core.fileno(), self._read, k)
+        self._read_all()
+
+    def _read_all(self) -> None:
+        for k in range(len(self.cores)):
+            self._read(k)
+
+    def _read(self, k: int) -> None:
+        core = self.cores[k]
+        for msg in core.messages():
+            if msg[0] == "step":
+                self._on_step(k, msg[1])
+            elif msg[0] == "died":
+                self._on_death(k, msg[1])
                 return
 
-    def _send(self) -> None:
-        """Each caller's new tokens and text; finished requests close their stream."""
-        for rid, caller in list(self._streams.items()):
-            delta = caller.stream.delta()
-            if delta is None:
+    def _on_step(self, k: int, step) -> None:
+        if step.stats:
+            self._stats[k] = step.stats
+        changed, stopped = self.outputs.process(step)
+        if stopped:
+            for rid in stopped:
+                self._queue(k, ("abort", rid))
+        callers = self._callers
+        for state in changed:
+            caller = callers.get(state.request_id)
+            if caller is None:
                 continue
-            if delta.finished:
-                del self._streams[rid]
-            caller.put(delta)
+            if state.output is not None:
+                self._forget(state.request_id)
+                caller.event.set()
+            elif state.stream:
+                caller.event.set()
+
+    def _forget(self, rid: int) -> None:
+        caller = self._callers.pop(rid, None)
+        if caller is not None:
+            self._load[caller.core] -= caller.cost
+
+    def _on_death(self, k: int, why: str) -> None:
+        core = self.cores[k]
+        if core.dead is not None:
+            return
+        core.dead = why.strip().splitlines()[-1] if why.strip() else "the engine core ended"
+        if not isinstance(core, CoreThread) and self._loop is not None:
+            self._loop.remove_reader(core.fileno())
+        self._end_callers(lambda c: c.core == k, "error", f"the engine core stopped: {core.dead}")
+        if self.on_core_death is not None and not self._stopped:
+            self.on_core_death(k, core.dead)
+
+    def _end_callers(self, which, reason: str, error: str | None) -> None:
+        from .output_processor import Finished
+        for rid, caller in list(self._callers.items()):
+            if which(caller):
+                state = caller.state
+                if state.output is None:
+                    state.finish(reason, self.outputs.stop_sources, done=Finished(reason, error=error))
+                self.outputs.states.pop(rid, None)
+                self._forget(rid)
+                caller.event.set()
+
+    def _why_dead(self) -> str | None:
+        return next((c.dead or "the engine core process ended" for c in self.cores if not c.is_alive()), None)
+
+    # -- the end -------------------------------------------------------------------------------
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine cores. Every stream still open ends (finish_reason "abort"), now."""
+        if self._stopped:
+            return
+        self._stopped = True
+        loop = self._loop
+        end = lambda: self._end_callers(lambda c: True, "abort", None)     # noqa: E731
+        if loop is not None and loop.is_running() and not _on_loop(loop):
+            done = threading.Event()
+            loop.call_soon_threadsafe(lambda: (end(), done.set()))
+            done.wait(timeout)
+        else:
+            end()
+        for core in self.cores:
+            if not isinstance(core, CoreThread) and loop is not None and not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(loop.remove_reader, core.fileno())
+                except RuntimeError:
+                    pass
+            core.stop(timeout)
+
+    # kept for the thread design's callers (tests look at the thread)
+    @property
+    def _thread(self):
+        return self.cores[0].thread if isinstance(self.cores[0], CoreThread) else None
+
+
+def _on_loop(loop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

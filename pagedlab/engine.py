@@ -18,7 +18,8 @@ step n is read, so the host's bookkeeping happens while the GPU computes; `_step
 
 Nothing a request or an interrupt does can wedge the engine: a step that raises is rerun one request
 at a time and only the requests that raise alone fail (finish_reason "error"); a KeyboardInterrupt
-anywhere in a step leaves every request and block accounted for, and the next step() goes on.
+anywhere in a step leaves every request and block accounted for, and the next step() goes on (the
+bookkeeping holds a Ctrl-C until it is whole, the device work does not: interrupts.py).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from collections import deque
 import torch
 
 from .config import EngineConfig
+from .interrupts import deferred, interruptible
 from .kv_cache import KVCache, blocks_needed
 from .request import PENDING, Request, RequestStatus  # noqa: F401  (PENDING re-exported)
 from .runner import ModelRunner
@@ -155,35 +157,12 @@ class Engine:
     def check_request(self, prompt, params: SamplingParams | None = None, chat: bool = False):
         """Everything add_request checks, with nothing changed: (token ids, text, params). Raises
         ValueError / TypeError naming the problem."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"SamplingParams.n={params.n}: the engine runs one sample per request; "
-                             "LLM.generate and the server expand n into n requests")
-        text = None
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise ValueError("empty prompt: give some text or a non-empty list of token ids")
-            text = prompt
-            ids = self.tokenizer.chat(prompt) if chat else self.tokenizer.encode(prompt, add_bos=True)
-        else:
-            ids = prompt_ids(prompt)
-        vocab = self.model.config.vocab_size
-        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id(s) {[t for _, t in bad[:5]]} (at index {[i for i, _ in bad[:5]]}) "
-                             f"outside the vocabulary [0, {vocab}) of this model")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but this engine holds at most {self.max_model_len} per "
-                f"sequence (prompt + at least one new token; limited by the model's max length and the "
-                f"KV pool of {self.kv_cache.num_blocks} blocks x {self.config.block_size}). Shorten the "
-                f"prompt or give the engine more blocks (num_blocks / memory_fraction).")
-        return ids, text, params
+        return check_request(prompt, params, chat, self.tokenizer, self.model.config.vocab_size,
+                             self.max_model_len, self.pool_hint())
+
+    def pool_hint(self) -> str:
+        return (f"limited by the model's max length and the KV pool of {self.kv_cache.num_blocks} blocks x "
+                f"{self.config.block_size}")
 
     def add_request(self, prompt, params: SamplingParams | None = None, chat: bool = False) -> int:
         """Queue a prompt (text, or a list of token ids). Checked completely before anything changes,
@@ -222,15 +201,26 @@ class Engine:
         return self.scheduler.has_work() or bool(self._unread) or bool(self.scheduler.finished)
 
     # -- one step -------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished (each handed out once)."""
+    def step(self, into: list | None = None) -> list[Request]:
+        """Run one step; returns the requests that finished (each handed out once).
+
+        The step's bookkeeping is one deferred section (interrupts.py): a Ctrl-C during it is
+        raised at its end, with every request and block accounted for; the device work inside
+        stays interruptible. Interrupted, the step hands out nothing: its finished requests wait
+        for the next step(). The one gap left is between this function returning and the caller
+        storing the list; `into`, a list of the caller's, gets them appended inside the section,
+        so a driver that must never lose one (Ctrl-C may stop it anywhere) passes it."""
         t_start = time.perf_counter()
-        batch = self._step()
-        finished = self.scheduler.take_finished()
-        self.timer.totals["steps"] += 1
-        if self.trace is not None and not batch.empty:
-            self.trace.append(self._record(batch, finished, t_start))
-        return finished
+        with deferred():
+            batch = self._step()
+            self.timer.totals["steps"] += 1
+            if self.trace is not None and not batch.empty:
+                self.trace.append(self._record(batch, self.scheduler.finished, t_start))
+            if into is not None:
+                finished = self.scheduler.take_finished()
+                into += finished
+                return finished
+        return self.scheduler.take_finished()
 
     def _step_plain(self) -> Batch:
         with self.timer("schedule"):
@@ -238,7 +228,7 @@ class Engine:
         if batch.empty:
             return self._idle(batch)
         try:
-            with self.timer("launch"):
+            with self.timer("launch"), interruptible():
                 tokens = self.runner.run(batch)
         except Exception as e:                # not KeyboardInterrupt: that leaves and is retried
             if getattr(e, "fatal", False):    # the tensor-parallel group stopped: nothing to retry
@@ -263,7 +253,7 @@ class Engine:
             return self._idle(batch)
         ahead = self._unread[-1][1] if self._unread else None
         try:
-            with self.timer("launch"):
+            with self.timer("launch"), interruptible():
                 launch = self.runner.launch(batch, after=ahead)
         except Exception as e:
             if getattr(e, "fatal", False):
@@ -287,7 +277,7 @@ class Engine:
 
     def _read_oldest(self) -> None:
         batch, launch = self._unread[0]
-        with self.timer("read"):
+        with self.timer("read"), interruptible():
             tokens = self.runner.read(launch)       # waits for that step only
         with self.timer("accept"):
             self.scheduler.settle(batch, tokens)
@@ -301,7 +291,8 @@ class Engine:
             if req.status is not RequestStatus.RUNNING:
                 continue
             try:
-                tokens = self.runner.run(part)
+                with interruptible():
+                    tokens = self.runner.run(part)
             except Exception as e:
                 self.scheduler.fail(req, f"{type(e).__name__}: {e}")
                 continue
@@ -326,8 +317,7 @@ class Engine:
         """Step until the queue and the slots are empty."""
         done = []
         while self.has_work():
-            finished = self.step()
-            done += finished
+            finished = self.step(into=done)
             if on_finish:
                 for r in finished:
                     on_finish(r)
@@ -351,3 +341,36 @@ def prompt_ids(prompt) -> list[int]:
             raise ValueError(f"a prompt is a string or a list of token ids: element {i} is "
                              f"{t!r} ({type(t).__name__}), not an integer")
     return [int(t) for t in prompt]
+
+
+def check_request(prompt, params, chat: bool, tokenizer, vocab: int, max_model_len: int, pool_hint: str = ""):
+    """A request checked against an engine's limits (its tokenizer, vocabulary and longest
+    sequence), with nothing changed: (token ids, text, params). Raises ValueError / TypeError naming
+    the problem. Also what a front end in another process runs before anything is queued."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if params.n != 1:
+        raise ValueError(f"SamplingParams.n={params.n}: the engine runs one sample per request; "
+                         "LLM.generate and the server expand n into n requests")
+    text = None
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError("empty prompt: give some text or a non-empty list of token ids")
+        text = prompt
+        ids = tokenizer.chat(prompt) if chat else tokenizer.encode(prompt, add_bos=True)
+    else:
+        ids = prompt_ids(prompt)
+    bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id(s) {[t for _, t in bad[:5]]} (at index {[i for i, _ in bad[:5]]}) "
+                         f"outside the vocabulary [0, {vocab}) of this model")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(ids)} tokens but this engine holds at most {max_model_len} per "
+            f"sequence (prompt + at least one new token; {pool_hint}). Shorten the "
+            f"prompt or give the engine more blocks (num_blocks / memory_fraction).")
+    return ids, text, params

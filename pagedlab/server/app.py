@@ -7,13 +7,14 @@ One request's path through it:
 
     POST /v1/chat/completions
       -> protocol.parse_chat: the JSON body -> token ids (chat template) + SamplingParams   (else 400)
-      -> engine.check_request: fits this engine? (prompt length, vocabulary)                (else 400)
+      -> async_llm.check_request: fits the engine? (prompt length, vocabulary)              (else 400)
       -> admission.admit: room in the queue?                                    (else 503 + Retry-After)
       -> AsyncLLM.generate, one stream per sample (n), merged into one sequence of (choice, delta)
       -> stream: server-sent events, chunk by chunk, as tokens arrive  /  or: one JSON at the end
 
-The engine runs on AsyncLLM's thread; here everything runs on the asyncio event loop, so thousands of
-open connections cost no threads. A client that goes away is noticed (its connection's disconnect
+The engine core runs in a process of its own (AsyncLLM.from_model; or, for an LLM built in this
+process, on a thread); here everything runs on the asyncio event loop -- HTTP, JSON, detokenizing,
+server-sent events -- so thousands of open connections cost no threads and never hold up a step. A client that goes away is noticed (its connection's disconnect
 message) and its streams are cancelled, which aborts their requests and frees their KV blocks at the
 next engine step -- a server must not keep generating for nobody. Nothing a client sends reaches the
 engine unchecked, and an error in one request (finish_reason "error") is that request's 500 alone.
@@ -40,7 +41,7 @@ DEFAULT_MAX_WAITING = 256             # requests queued beyond the slots before 
 
 # -- many streams as one ---------------------------------------------------------------------------
 
-async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float):
+async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float, stream: bool = True):
     """Run every (choice index, token ids, params) job as its own AsyncLLM stream and yield
     (index, delta) as deltas arrive from any of them. Closing this generator (the client went away)
     cancels every stream still running: AsyncLLM aborts their requests."""
@@ -50,9 +51,9 @@ async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float):
     async def pump(index, ids, params):
         try:
             first = True
-            async for delta in allm.generate(ids, params):
+            async for delta in allm.generate(ids, params, stream=stream):
                 if first and delta.token_ids:
-                    metrics.on_first_token(time.perf_counter() - arrival)
+                    metrics.on_first_token(time.perf_counter() - arrival if stream else delta.output.ttft_s)
                     first = False
                 metrics.on_tokens(len(delta.token_ids))
                 queue.put_nowait((index, delta, None))
@@ -141,10 +142,10 @@ async def until_disconnect(request: Request, work):
 def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
     """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
     made it shuts it down (pagedlab.server.serve does)."""
-    engine, tokenizer = async_llm.engine, async_llm.llm.tokenizer
+    tokenizer, max_model_len = async_llm.tokenizer, async_llm.max_model_len
     app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine")
-    metrics = ServerMetrics(engine)
-    gate = AdmissionGate(engine.config.max_num_seqs, max_waiting)
+    metrics = ServerMetrics(async_llm.stats)
+    gate = AdmissionGate(async_llm.max_num_seqs, max_waiting)
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
     app.state.model_name = model_name
 
@@ -175,7 +176,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "pagedlab", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "pagedlab", "max_model_len": max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -185,14 +186,14 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = read_body(await request.body())
-        return await answer(request, parse_chat(body, model_name, tokenizer, engine.max_model_len))
+        return await answer(request, parse_chat(body, model_name, tokenizer, max_model_len))
 
     async def answer(request: Request, req: ParsedRequest):
         arrival = time.perf_counter()
         jobs = []
         for p, ids in enumerate(req.prompts):
             try:                                  # read-only: fits this engine? (length, vocabulary)
-                engine.check_request(ids, req.stream_params(0))
+                async_llm.check_request(ids, req.stream_params(0))
             except (ValueError, TypeError) as e:
                 param = "messages" if req.kind == "chat" else "prompt"
                 where = f"{param}[{p}]" if len(req.prompts) > 1 else param
@@ -210,7 +211,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
             def logprobs_of(o, offset=0):
                 return completion_logprobs(getattr(o, "logprobs", None) or [], tokenizer, offset)
         prompt_lengths = [len(ids) for ids in req.prompts]
-        streams = merged_streams(async_llm, jobs, metrics, arrival)
+        streams = merged_streams(async_llm, jobs, metrics, arrival, req.stream)
         if req.stream:
             return EventStream(events(req, env, streams, prompt_lengths, logprobs_of, len(jobs)),
                                on_close=ticket.release)

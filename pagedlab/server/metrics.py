@@ -4,7 +4,8 @@ Three kinds of numbers, each a prometheus_client object on the app's own Collect
 apps in one process -- two test servers -- never share or double-count a metric):
 
 - gauges read at scrape time from the engine: requests running and waiting, KV blocks used and total.
-  Nothing is copied: each gauge is a function of `engine.scheduler`, read when Prometheus asks.
+  Each is read from AsyncLLM.stats() when Prometheus asks: the numbers each engine core sent with its
+  last step, summed over the cores (data parallelism: one view of every replica).
 - counters that only grow: tokens generated and prompted, requests finished by finish_reason,
   preemptions, requests refused with 503. A rate is the counter's slope: tokens/s is
   `rate(pagedlab_generation_tokens_total[1m])` in PromQL.
@@ -36,21 +37,18 @@ PREFIX_CACHE_GAUGES = {
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, stats):
+        """stats: a function giving the engine's gauges now (AsyncLLM.stats: summed over its cores)."""
         self.registry = reg = CollectorRegistry()
-        sched = engine.scheduler
-        alloc = sched.allocator
-        Gauge("pagedlab_requests_running", "requests in a slot (prefilling or decoding)",
-              registry=reg).set_function(lambda: len(sched.admitted))
-        Gauge("pagedlab_requests_waiting", "requests in the engine's queue (new and preempted)",
-              registry=reg).set_function(lambda: len(sched.waiting))
-        Gauge("pagedlab_kv_blocks_used", "KV cache blocks in use", registry=reg).set_function(
-            lambda: alloc.num_used)
-        Gauge("pagedlab_kv_blocks_total", "KV cache blocks in the pool", registry=reg).set_function(
-            lambda: alloc.num_blocks)
-        for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
-            if hasattr(alloc, attr):          # only an allocator with a prefix cache has them
-                Gauge(name, doc, registry=reg).set_function(lambda attr=attr: float(getattr(alloc, attr)))
+        for name, key, doc in (
+                ("pagedlab_requests_running", "running", "requests in a slot (prefilling or decoding)"),
+                ("pagedlab_requests_waiting", "waiting", "requests in the engine's queue (new and preempted)"),
+                ("pagedlab_kv_blocks_used", "kv_used", "KV cache blocks in use"),
+                ("pagedlab_kv_blocks_total", "kv_total", "KV cache blocks in the pool")):
+            Gauge(name, doc, registry=reg).set_function(lambda key=key: stats().get(key, 0))
+        if "prefix_queries" in stats():          # only an allocator with a prefix cache has them
+            for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
+                Gauge(name, doc, registry=reg).set_function(lambda attr=attr: float(stats().get(attr, 0)))
         self.generation_tokens = Counter("pagedlab_generation_tokens", "tokens generated", registry=reg)
         self.prompt_tokens = Counter("pagedlab_prompt_tokens", "prompt tokens of finished requests",
                                      registry=reg)

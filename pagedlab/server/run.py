@@ -1,17 +1,23 @@
 """Starting and stopping the server: in the foreground (the CLI) or on a background thread (tests,
 notebooks).
 
-    server = serve(LLM("random:tiny"), port=0)      # 0: any free port; returns once it accepts
-    print(server.url)                               # http://127.0.0.1:54321
+    server = serve("smollm2", port=0)               # the engine core in a process of its own
+    server = serve(LLM("random:tiny"), port=0)      # or an LLM of this process (its core on a thread)
+    print(server.url)                               # http://127.0.0.1:54321  (port 0: any free port)
     ...                                             # talk to it with curl, openai, httpx
     server.stop()                                   # stop accepting, finish, stop the engine
 
-uvicorn runs the ASGI app (build_app) on its own asyncio loop; AsyncLLM runs the engine on its own
-thread. Stopping is the reverse: uvicorn closes its connections (open streams are cancelled, so
-their requests are aborted), then the engine thread is stopped.
+uvicorn runs the ASGI app (build_app) on its own asyncio loop; AsyncLLM's engine cores run in
+processes of their own (a model name; data_parallel_size=N: N of them) or on a thread (an LLM).
+Stopping is the reverse: uvicorn closes its connections (open streams are cancelled, so their
+requests are aborted), then the engine cores are stopped. A core that dies stops a foreground
+server (the CLI exits with status 1: a supervisor restarts it); a background one reports it at
+/health and ends every open stream with an error.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
@@ -47,26 +53,66 @@ class RunningServer:
         self.stop()
 
 
-def make_server(llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
-    async_llm = AsyncLLM(llm)
+def make_async_llm(llm, data_parallel_size: int = 1, **llm_kwargs) -> AsyncLLM:
+    """An AsyncLLM for `llm`: an AsyncLLM as it is, an LLM of this process on a thread, a model name
+    or path as engine core processes (data_parallel_size of them, each LLM(llm, **llm_kwargs))."""
+    if isinstance(llm, AsyncLLM):
+        return llm
+    if isinstance(llm, (str, os.PathLike)):
+        return AsyncLLM.from_model(str(llm), data_parallel_size=data_parallel_size, **llm_kwargs)
+    if data_parallel_size != 1 or llm_kwargs:
+        raise ValueError("data_parallel_size= and LLM arguments go with a model name: serve(\"smollm2\", "
+                         "data_parallel_size=2, ...); an LLM object is served as it is")
+    return AsyncLLM(llm)
+
+
+def default_name(llm) -> str:
+    if isinstance(llm, (str, os.PathLike)):
+        return str(llm)
+    if isinstance(llm, AsyncLLM):
+        return llm.model_name
+    return llm.checkpoint.source
+
+
+def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
     app = build_app(async_llm, model_name, max_waiting=max_waiting)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config), async_llm, app
+    return uvicorn.Server(config), app
 
 
 def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = DEFAULT_MAX_WAITING, background: bool = True,
-          log_level: str = "warning") -> RunningServer | None:
-    """Serve an LLM over OpenAI's API. background=True: start on a thread and return a RunningServer
-    once it accepts connections (port=0 picks a free port). background=False: run here until
-    Ctrl-C, then stop the engine."""
-    name = model_name or llm.checkpoint.source
-    server, async_llm, app = make_server(llm, name, host, port, max_waiting, log_level)
+          log_level: str = "warning", data_parallel_size: int = 1, on_ready=None,
+          **llm_kwargs) -> RunningServer | None:
+    """Serve over OpenAI's API: `llm` is a model name or path (engine cores in processes of their
+    own, built with **llm_kwargs; data_parallel_size=N: N cores behind one server), an LLM of this
+    process, or an AsyncLLM. background=True: start on a thread and return a RunningServer once it
+    accepts connections (port=0 picks a free port). background=False: run here until Ctrl-C or
+    SIGTERM, then stop the engine; returns None, or raises SystemExit(1) if an engine core died."""
+    name = model_name or default_name(llm)
+    async_llm = make_async_llm(llm, data_parallel_size, **llm_kwargs)
+    try:
+        server, app = make_server(async_llm, name, host, port, max_waiting, log_level)
+    except BaseException:
+        async_llm.shutdown()
+        raise
+    died = []
+
+    def on_core_death(k, why):
+        died.append(why)
+        print(f"pagedlab: engine core {k} died ({why}); stopping the server", file=sys.stderr, flush=True)
+        if not background:
+            server.should_exit = True
+    async_llm.on_core_death = on_core_death
+    if on_ready is not None:
+        on_ready(async_llm)
     if not background:
         try:
             server.run()
         finally:
             async_llm.shutdown()
+        if died:
+            raise SystemExit(1)
         return None
     thread = threading.Thread(target=server.run, name="pagedlab-http", daemon=True)
     thread.start()
