@@ -6,6 +6,18 @@ from .llm import LLM, RequestOutput
 from .sampling import SamplingParams
 from .weights import load_checkpoint
 
-__all__ = ["LLM", "Engine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
+__all__ = ["LLM", "AsyncLLM", "Engine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
            "LLAMA_3_2_1B", "tiny_config", "load_checkpoint"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """Imported on first use: AsyncLLM (asyncio and the engine-core machinery) and the server
+    (`pagedlab.server.serve(...)` after `import pagedlab`; it needs the `serve` extra)."""
+    if name == "AsyncLLM":
+        from .async_llm import AsyncLLM
+        return AsyncLLM
+    if name == "server":
+        import importlib
+        return importlib.import_module(".server", __name__)
+    raise AttributeError(f"module 'pagedlab' has no attribute {name!r}")

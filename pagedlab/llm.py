@@ -1,6 +1,7 @@
 """The front door: LLM(model=...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]."""
 from __future__ import annotations
 
+import inspect
 import numbers
 import os
 import weakref
@@ -9,7 +10,9 @@ from dataclasses import replace
 import torch
 
 from .config import EngineConfig, resolve_device_dtype
+from .conversation import check_conversation, is_conversation
 from .engine import Engine, max_positions
+from .engine_args import engine_config_kwargs
 from .kernels import select_kernels
 from .model import LlamaModel
 from .parallel.shard import check_split
@@ -130,7 +133,13 @@ class LLM:
 
         Beyond one device (parallel/): tensor_parallel_size=T cuts every layer across T ranks,
         data_parallel_size=D runs D replicas behind a router; T * D processes (this one is rank 0),
-        on GPUs cuda:0 .. cuda:T*D-1. Call close() (or use `with LLM(...) as llm:`) to stop them."""
+        on GPUs cuda:0 .. cuda:T*D-1. Call close() (or use `with LLM(...) as llm:`) to stop them.
+
+        vLLM's names are taken where they mean the same (engine_args.py: gpu_memory_utilization,
+        enable_prefix_caching, enforce_eager); an unknown keyword is a TypeError before anything
+        loads, naming the nearest known one."""
+        engine_kwargs = engine_config_kwargs(engine_kwargs, inspect.signature(LLM.__init__).parameters)
+        self.model_name = model if isinstance(model, str) and checkpoint is None else None   # as the user named it
         tp, dp = parallel_sizes(tensor_parallel_size, data_parallel_size)
         if tp * dp > 1 and (allocator is not None or scheduler is not None or decode_kernel is not None):
             raise ValueError("allocator=, scheduler= and decode_kernel= plug into one process; they "
@@ -248,13 +257,21 @@ class LLM:
         return self.engine.abort(request_id)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 chat: bool = False, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. chat=True wraps strings in the
-        model's chat template. Returns one RequestOutput per prompt, in order. Every prompt is
-        checked before any is queued. If generate is interrupted (Ctrl-C, an exception in
-        on_finish) its unfinished requests are aborted; requests that others added through
-        engine.add_request and that finish meanwhile are handed back to the engine, not lost."""
-        if isinstance(prompts, (str, torch.Tensor)) or (
+                 chat: bool = False, use_tqdm: bool = False, on_finish=None, *,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 system: str | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, a conversation (a list of role/content dicts,
+        conversation.py), or a list of any of those. chat=True wraps strings in the model's chat
+        template (a conversation always is), after a `system` turn if given. params (or vLLM's
+        name, sampling_params): one SamplingParams for all prompts or one per prompt. Returns one
+        RequestOutput per prompt, in order; `.outputs` lists its n samples (n = 1: itself), as
+        vLLM's. Every prompt is checked before any is queued. If generate is interrupted (Ctrl-C,
+        an exception in on_finish) its unfinished requests are aborted; requests that others added
+        through engine.add_request and that finish meanwhile are handed back to the engine, not lost."""
+        params = self._params_argument(params, sampling_params)
+        if system is not None and not chat:
+            raise ValueError("system= is a chat turn: use LLM.chat(prompts, system=...) (or chat=True)")
+        if isinstance(prompts, (str, torch.Tensor)) or is_conversation(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -262,12 +279,11 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
         self._check_open()
-        eng = self.engine
         checked, counts = [], []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
             n = sp.n if isinstance(sp, SamplingParams) else 1
             try:
-                checked.append(eng.check_request(p, replace(sp, n=1) if n > 1 else sp, chat=chat))
+                checked.append(self._check_prompt(p, replace(sp, n=1) if n > 1 else sp, chat, system))
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             counts.append(n)
@@ -276,7 +292,32 @@ class LLM:
                  for j in range(n)]
         run = self._run if self._router is None else self._run_replicas
         outs = iter(run(items, use_tqdm, on_finish))
-        return [gather([next(outs) for _ in range(n)]) for n in counts]
+        samples = [gather([next(outs) for _ in range(n)]) for n in counts]
+        return [o if o.outputs is not None else replace(o, outputs=[o]) for o in samples]
+
+    @staticmethod
+    def _params_argument(params, sampling_params):
+        """params, or vLLM's keyword for it (sampling_params=), not both."""
+        if sampling_params is None:
+            return params
+        if params is not None:
+            raise TypeError("give the SamplingParams once: params or sampling_params (vLLM's name), not both")
+        return sampling_params
+
+    def _check_prompt(self, prompt, params, chat: bool, system: str | None):
+        """engine.check_request, with a conversation (or a string under a system turn) rendered by
+        the chat template first; its RequestOutput.prompt is then the rendered text, as vLLM's."""
+        if is_conversation(prompt) or (chat and system is not None and isinstance(prompt, str)):
+            turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            ids = self.tokenizer.chat(check_conversation(turns, system))
+            ids, _, params = self.engine.check_request(ids, params)
+            return ids, self.tokenizer.decode(ids), params
+        return self.engine.check_request(prompt, params, chat=chat)
+
+    def get_tokenizer(self):
+        """The tokenizer this LLM encodes and decodes with: encode(text), decode(ids),
+        chat(messages) -> ids (for a Hugging Face checkpoint the transformers tokenizer is its .hf)."""
+        return self.tokenizer
 
     def _run(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
         """Queue checked requests (token ids, text, params), step until all finished; their
@@ -355,7 +396,8 @@ class LLM:
         self._next_dp_id += len(items)
         return outs
 
-    def stream(self, prompt, params: SamplingParams | None = None, chat: bool = False):
+    def stream(self, prompt, params: SamplingParams | None = None, chat: bool = False, *,
+               sampling_params: SamplingParams | None = None, system: str | None = None):
         """Generate one prompt and yield a StreamDelta (new text and token ids) after every step that
         added tokens; the last one has finished=True, the finish_reason and the RequestOutput.
         Text is detokenized incrementally and never splits a character. Closing the generator
@@ -366,7 +408,9 @@ class LLM:
             raise ValueError("stream() runs on one engine: with data_parallel_size > 1 use generate(), "
                              "or serve each replica as its own server behind a load balancer")
         core, proc = self.core, self.outputs
-        ids, text, params = self.engine.check_request(prompt, params, chat=chat)
+        if system is not None and not chat:
+            raise ValueError("system= is a chat turn: pass chat=True as well")
+        ids, text, params = self._check_prompt(prompt, self._params_argument(params, sampling_params), chat, system)
         [rid] = core.add([(None, ids, text, params)])
         state = proc.add(rid, ids, text, params, stream=True)
         try:
@@ -385,5 +429,7 @@ class LLM:
                 proc.states.pop(rid, None)
             self.engine.hand_back(core.take_foreign())
 
-    def chat(self, prompts, params=None, **kw) -> list[RequestOutput]:
-        return self.generate(prompts, params, chat=True, **kw)
+    def chat(self, messages, params=None, **kw) -> list[RequestOutput]:
+        """generate(..., chat=True): messages is a string (one user turn), a conversation (a list
+        of role/content dicts), or a list of either; system="..." puts a system turn first."""
+        return self.generate(messages, params, chat=True, **kw)
