@@ -117,3 +117,80 @@ def test_chat_content_cannot_forge_smollm2_control_tokens(smollm2_llm):
     [a], [b] = smollm2_llm.chat(clean, one), smollm2_llm.chat(forged, one)
     assert [t for t in b.prompt_token_ids if t in specials] == [t for t in a.prompt_token_ids if t in specials]
     assert "<|im_start|>system" in tok.decode(b.prompt_token_ids)       # the characters are kept, as text
+
+
+# -- the server, as the OpenAI SDK and vLLM's clients talk to it -----------------------------------
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def server():
+    pytest.importorskip("fastapi")
+    import pagedlab
+    s = pagedlab.server.serve(LLM("random:tiny", device="cpu", max_model_len=CONTEXT, show_progress=False), port=0)
+    yield s
+    s.stop()
+
+
+def post(server, path, body):
+    import httpx
+    return httpx.post(server.url + path, json=body, timeout=60)
+
+
+def test_a_server_from_python_is_named_as_the_model_was(server):
+    import httpx
+    assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == ["random:tiny"]
+    import pagedlab
+    assert httpx.get(server.url + "/version").json() == {"version": pagedlab.__version__}
+
+
+def test_tokenize_and_detokenize_give_what_the_endpoints_run(server):
+    tok = server.async_llm.tokenizer
+    r = post(server, "/tokenize", {"model": "random:tiny", "prompt": "Hello there"}).json()
+    assert r == {"tokens": tok.encode("Hello there", add_bos=True), "count": len(r["tokens"]), "max_model_len": CONTEXT}
+    assert post(server, "/tokenize", {"prompt": "Hi", "add_special_tokens": False}).json()["tokens"] == tok.encode("Hi")
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = post(server, "/tokenize", {"model": "random:tiny", "messages": messages}).json()
+    assert r["tokens"] == tok.chat([dict(messages[0], role="system"), messages[1]])
+    chat = post(server, "/v1/chat/completions", {"model": "random:tiny", "messages": messages, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == r["count"]
+    assert post(server, "/detokenize", {"model": "random:tiny", "tokens": tok.encode("Hello")}).json() == {"prompt": "Hello"}
+    for path, body, param in [("/detokenize", {"tokens": [5, 10 ** 6]}, "tokens"),
+                              ("/detokenize", {"tokens": "5"}, "tokens"),
+                              ("/tokenize", {"model": "gpt-4", "prompt": "x"}, "model"),
+                              ("/tokenize", {"prompt": "x", "messages": messages}, "prompt")]:
+        bad = post(server, path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, (path, body, bad.text)
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    base = {"model": "random:tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
+    extras = {"metadata": {"run": "a"}, "store": False, "user": "u1", "service_tier": "auto",
+              "request_id": "r-1", "chat_template_kwargs": {"add_generation_prompt": True, "enable_thinking": False}}
+    plain, extra = post(server, "/v1/chat/completions", base), post(server, "/v1/chat/completions", base | extras)
+    assert plain.status_code == extra.status_code == 200, extra.text
+    assert extra.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
+    bad = post(server, "/v1/chat/completions", base | {"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_max_tokens_past_the_context_is_400_naming_it(server):
+    prompt = list(range(5, 25))                                    # 20 tokens: room for 44
+    for path, body, param in [("/v1/completions", {"prompt": prompt}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]},
+                               "max_completion_tokens")]:
+        r = post(server, path, {"model": "random:tiny", param: 10 ** 9} | body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert f"maximum context length is {CONTEXT}" in r.json()["error"]["message"]
+    fits = post(server, "/v1/completions", {"model": "random:tiny", "prompt": prompt, "max_tokens": CONTEXT - 20,
+                                            "temperature": 0, "ignore_eos": True})
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == CONTEXT - 20
+    over = post(server, "/v1/completions", {"model": "random:tiny", "prompt": prompt, "max_tokens": CONTEXT - 19})
+    assert over.status_code == 400 and "at most 44 new tokens" in over.json()["error"]["message"]
+    # not given: OpenAI's 16, or what room the context has
+    near = post(server, "/v1/completions", {"model": "random:tiny", "prompt": list(range(5, 5 + CONTEXT - 6)),
+                                            "temperature": 0, "ignore_eos": True})
+    assert near.status_code == 200 and near.json()["usage"]["completion_tokens"] == 6

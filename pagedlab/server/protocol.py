@@ -18,7 +18,12 @@ JSON naming the field, `{"error": {"message", "type", "param", "code"}}`:
    never has a second, diverging copy of the rules (`temperature: -1` is refused by SamplingParams).
 
 Fields that SamplingParams does not have (yet) are refused when set to anything but their "off"
-value, so a client never silently gets something other than what it asked for.
+value, so a client never silently gets something other than what it asked for. Fields that do not
+change what is generated are accepted and not used (IGNORED_FIELDS: what the OpenAI SDK and vLLM's
+clients send -- `metadata`, `store`, `user`, `service_tier`, ...); `chat_template_kwargs` is taken
+when it cannot change the prompt (`add_generation_prompt: true`, or keys the template never reads).
+The `developer` role is the system role. A max_tokens that cannot fit beside the prompt
+(prompt + max_tokens > max_model_len) is a 400 naming max_tokens, as OpenAI's and vLLM's.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from ..conversation import ROLE_ALIASES
 from ..sampling import SamplingParams
 
 # -- errors --------------------------------------------------------------------------------------
@@ -62,6 +68,11 @@ COMMON_FIELDS = {              # field -> what JSON type it must have (None is a
     "top_k": _INT, "min_p": _NUM, "repetition_penalty": _NUM, "ignore_eos": _BOOL,
     "stop_token_ids": "a list of integers",
 }
+# accepted and not used: they do not change what is generated (OpenAI's bookkeeping and routing
+# fields, vLLM's request id); `user` is OpenAI's too
+IGNORED_FIELDS = {"metadata": _OBJ, "store": _BOOL, "service_tier": _STR, "prompt_cache_key": _STR,
+                  "safety_identifier": _STR, "request_id": _STR}
+COMMON_FIELDS |= IGNORED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
     "logprobs": _INT, "echo": _BOOL, "best_of": _INT, "suffix": _STR, "logit_bias": _OBJ,
@@ -69,7 +80,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages": "a list of messages", "max_completion_tokens": _INT, "logprobs": _BOOL,
     "top_logprobs": _INT, "logit_bias": _OBJ, "tools": "a list", "tool_choice": "a string or an object",
-    "response_format": _OBJ, "parallel_tool_calls": _BOOL,
+    "response_format": _OBJ, "parallel_tool_calls": _BOOL, "chat_template_kwargs": _OBJ,
 }
 
 # accepted only at their "off" value: what the engine does not do (a different value is a 400)
@@ -260,13 +271,31 @@ def _prompt_token_lists(prompt, tokenizer) -> tuple[list[list[int]], list[str | 
     return ids, texts
 
 
-def parse_completion(body: dict, served_model: str, tokenizer) -> ParsedRequest:
-    """A /v1/completions body."""
+def check_context(max_tokens, prompt_lengths: list[int], max_model_len: int | None, param: str) -> None:
+    """prompt + max_tokens must fit in max_model_len (a prompt too long by itself is left to the
+    engine's check, which names the prompt)."""
+    if max_model_len is None or not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        return
+    for n in prompt_lengths:
+        if n < max_model_len < n + max_tokens:
+            bad(f"{param}={max_tokens} does not fit: this model's maximum context length is {max_model_len} "
+                f"tokens and the prompt has {n}, so at most {max_model_len - n} new tokens can be asked for",
+                param=param)
+
+
+def parse_completion(body: dict, served_model: str, tokenizer, max_model_len: int | None = None) -> ParsedRequest:
+    """A /v1/completions body. max_tokens defaults to 16 (OpenAI's and vLLM's), fewer if the
+    context has no room for 16."""
     model, stream, include_usage = _common(body, COMPLETION_FIELDS, served_model)
     prompts, texts = _prompt_token_lists(body.get("prompt"), tokenizer)
     kwargs, params_of = _sampling_kwargs(body)
     max_tokens = body.get("max_tokens")
-    kwargs["max_tokens"] = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    if max_tokens is None:
+        room = [max_model_len - len(ids) for ids in prompts if max_model_len is not None]
+        max_tokens = max(1, min([DEFAULT_COMPLETION_MAX_TOKENS] + room))
+    else:
+        check_context(max_tokens, [len(ids) for ids in prompts], max_model_len, "max_tokens")
+    kwargs["max_tokens"] = max_tokens
     params_of["max_tokens"] = "max_tokens"
     n = _n_samples(body, kwargs, params_of)
     logprobs = body.get("logprobs")             # completions: an integer, the number of alternatives
@@ -279,7 +308,7 @@ def parse_completion(body: dict, served_model: str, tokenizer) -> ParsedRequest:
 
 # -- chat messages -------------------------------------------------------------------------------
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant")          # and "developer", OpenAI's newer name for system
 
 
 def message_text(content, i: int) -> str:
@@ -314,8 +343,9 @@ def check_messages(messages) -> list[dict]:
         if extra:
             bad(f"messages[{i}] has unknown keys {sorted(extra)}", param=f"messages[{i}]")
         role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {_show(role)}",
+            bad(f"messages[{i}].role must be one of {', '.join(ROLES)} (or developer), got {_show(m.get('role'))}",
                 param=f"messages[{i}].role")
         if "content" not in m or m["content"] is None:
             bad(f"messages[{i}].content is missing", param=f"messages[{i}].content")
@@ -325,6 +355,20 @@ def check_messages(messages) -> list[dict]:
     return out
 
 
+def check_template_kwargs(kwargs: dict | None, tokenizer) -> None:
+    """vLLM's chat_template_kwargs, taken where they cannot change the prompt: add_generation_prompt
+    true (the prompt always ends with the assistant's turn to speak), and keys the chat template
+    never reads (e.g. enable_thinking for a template without thinking). Anything else is a 400."""
+    for key, value in (kwargs or {}).items():
+        if key == "add_generation_prompt":
+            if value is not True:
+                bad("chat_template_kwargs.add_generation_prompt must be true here (the prompt always ends "
+                    f"with the assistant's turn to speak), got {_show(value)}", param="chat_template_kwargs")
+        elif key in str(getattr(getattr(tokenizer, "hf", None), "chat_template", None) or ""):
+            bad(f"chat_template_kwargs.{key}: this model's chat template reads {key!r}, and this server "
+                "does not pass template variables", param="chat_template_kwargs")
+
+
 def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> ParsedRequest:
     """A /v1/chat/completions body. The conversation goes through the tokenizer's chat template
     (tokenizer.chat(messages): every message, ending with the assistant's turn to speak)."""
@@ -332,6 +376,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
     if body.get("messages") is None:
         bad("you must provide messages", param="messages")
     messages = check_messages(body["messages"])
+    check_template_kwargs(body.get("chat_template_kwargs"), tokenizer)
     ids = tokenizer.chat(messages)
     kwargs, params_of = _sampling_kwargs(body)
     given = [k for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None]
@@ -339,6 +384,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
         bad("max_tokens and max_completion_tokens disagree: give one of them", param="max_completion_tokens")
     if given:
         kwargs["max_tokens"], params_of["max_tokens"] = body[given[0]], given[0]
+        check_context(body[given[0]], [len(ids)], max_model_len, given[0])
     else:                       # OpenAI: as long as the context allows
         kwargs["max_tokens"], params_of["max_tokens"] = max(1, max_model_len - len(ids)), "messages"
     n = _n_samples(body, kwargs, params_of)
@@ -352,3 +398,47 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
         params_of["logprobs"] = "logprobs" if top is None else "top_logprobs"
     params = make_params(kwargs, params_of)
     return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, [None])
+
+
+# -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------
+
+TOKENIZE_FIELDS = {"model": _STR, "prompt": _STR, "messages": "a list of messages", "add_special_tokens": _BOOL,
+                   "add_generation_prompt": _BOOL, "chat_template_kwargs": _OBJ}
+DETOKENIZE_FIELDS = {"model": _STR, "tokens": "a list of integers"}
+
+
+def _model_if_given(body: dict, served_model: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served_model:
+        bad(f"the model {model!r} does not exist: this server serves {served_model!r}",
+            param="model", code="model_not_found")
+
+
+def parse_tokenize(body: dict, served_model: str, tokenizer) -> list[int]:
+    """POST /tokenize: {"prompt": text} -> the ids /v1/completions would run (BOS first unless
+    add_special_tokens is false); {"messages": [...]} -> the ids /v1/chat/completions would run."""
+    check_shape(body, TOKENIZE_FIELDS)
+    _model_if_given(body, served_model)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        bad("give either prompt (text) or messages (a conversation)", param="prompt")
+    if messages is not None:
+        if body.get("add_generation_prompt") is False:
+            bad("add_generation_prompt must be true here (the prompt always ends with the assistant's turn "
+                "to speak)", param="add_generation_prompt")
+        check_template_kwargs(body.get("chat_template_kwargs"), tokenizer)
+        return tokenizer.chat(check_messages(messages))
+    return tokenizer.encode(prompt, add_bos=body.get("add_special_tokens") is not False)
+
+
+def parse_detokenize(body: dict, served_model: str, vocab_size: int | None) -> list[int]:
+    """POST /detokenize: {"tokens": [ids]}, each id in the vocabulary."""
+    check_shape(body, DETOKENIZE_FIELDS)
+    _model_if_given(body, served_model)
+    tokens = body.get("tokens")
+    if tokens is None:
+        bad("you must provide tokens (a list of token ids)", param="tokens")
+    outside = [t for t in tokens if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        bad(f"tokens {outside[:5]} are outside the vocabulary [0, {vocab_size})", param="tokens")
+    return tokens

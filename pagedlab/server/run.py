@@ -71,7 +71,7 @@ def default_name(llm) -> str:
         return str(llm)
     if isinstance(llm, AsyncLLM):
         return llm.model_name
-    return llm.checkpoint.source
+    return getattr(llm, "model_name", None) or llm.checkpoint.source     # as the user named it: "smollm2"
 
 
 def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
