@@ -322,6 +322,7 @@ ATTENTION_BACKENDS = ("torch", "triton", "auto")
 # pagedlab.kernels.decode_attention.VARIANTS + ("auto",) (not imported here: that module needs Triton)
 DECODE_VARIANTS = ("naive", "blocked", "gqa", "split_kv", "auto")
 DTYPES = ("bfloat16", "float16", "float32")
+QUANTIZATIONS = ("fp8",)        # quantization.QUANTIZATIONS (not imported here: config needs no torch)
 DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "fp16": "float16", "half": "float16",
                  "float32": "float32", "fp32": "float32", "float": "float32"}
@@ -414,6 +415,9 @@ class EngineConfig:
     prefix_caching:    share the KV blocks of equal prefixes between requests (prefix_cache.py): a
                        request starts with the full blocks of its prompt that are cached and
                        computes only the rest.
+    quantization:      None (weights in `dtype`) or "fp8": linear weights stored as float8 e4m3
+                       with one fp32 scale per output channel, quantized at load (quantization.py;
+                       on CUDA it needs compute capability >= 8.9).
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -432,6 +436,7 @@ class EngineConfig:
     seed: int = 0
     max_trace_steps: int | None = 10_000
     prefix_caching: bool = False
+    quantization: str | None = None
 
     def __post_init__(self):
         self.validate()
@@ -460,6 +465,8 @@ class EngineConfig:
         self.seed = _check_int("seed", self.seed, 0, 2 ** 63)
         self.max_trace_steps = _check_int("max_trace_steps", self.max_trace_steps, lo=1, optional=True)
         self.prefix_caching = _check_bool("prefix_caching", self.prefix_caching)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,11 @@ its cut of every weight -- whole heads of QKV and O, a slice of gate/up and down
 range of the embedding and LM head -- and the forward adds three things: the embedding and the two
 row-parallel matmuls of each layer (O, down) end in an all-reduce, and the LM head's logits are
 all-gathered into full rows. Everything else, kernels included, runs unchanged on fewer heads.
+
+FP8 weights (quantization="fp8", quantization.py): every linear weight -- QKV, O, gate/up, down and
+the LM head -- is quantized at load, from the checkpoint's own precision, to fp8 codes with one
+fp32 scale per output row (an FP8Weight); the embedding and the norms stay in the model dtype. The
+kernel functions take an FP8Weight wherever they take a weight.
 """
 from __future__ import annotations
 
@@ -26,24 +31,37 @@ from .config import ModelConfig
 from .kernels import select_kernels
 from .kernels.rope import rope_cos_sin
 from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
+from .quantization import FP8Weight, check_quantization, quantize_weight
 
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, tensors: dict, device="cpu", dtype=torch.float32,
-                 kernels=None, max_positions: int | None = None, tp=None, presharded: bool = False):
+                 kernels=None, max_positions: int | None = None, tp=None, presharded: bool = False,
+                 quantization: str | None = None):
         """tp: this rank's tensor-parallel group (None: one device holds the whole model); the
-        tensors are cut here for rank tp.rank, or are that rank's cut already (presharded=True)."""
+        tensors are cut here for rank tp.rank, or are that rank's cut already (presharded=True).
+        quantization: None (weights in `dtype`) or "fp8" (linear weights as FP8Weight)."""
         self.config = c = config
         self.device, self.dtype = torch.device(device), dtype
+        check_quantization(quantization, self.device)
+        self.quantization = quantization
         self.kernels = kernels or select_kernels("torch")
         self.tp = tp if tp is not None and tp.size > 1 else None
         rank, size = (tp.rank, tp.size) if self.tp else (0, 1)
         check_split(c, size)
         self.num_heads, self.num_kv_heads = c.num_heads // size, c.num_kv_heads // size
 
-        def w(name):
+        def w(name, dt=dtype):
             t = tensors[name] if presharded else shard(tensors[name], split_rule(name), rank, size)
-            return t.to(device=self.device, dtype=dtype).contiguous()
+            return t.to(device=self.device, dtype=dt).contiguous()
+
+        def lin(*names):
+            """A linear weight (names: stacked row-wise): in `dtype`, or quantized to FP8 from
+            the checkpoint's own precision (fp32 on the way, so bf16 and fp32 sources are exact)."""
+            if quantization is None:
+                return torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
+            full = torch.cat([w(n, torch.float32) for n in names])
+            return quantize_weight(full, names[0] if len(names) == 1 else "+".join(names))
 
         self.embed = w("model.embed_tokens.weight")
         self.layers = []
@@ -51,22 +69,26 @@ class LlamaModel:
             p = f"model.layers.{i}."
             self.layers.append(dict(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                o=w(p + "self_attn.o_proj.weight"),
+                qkv=lin(*(p + f"self_attn.{x}_proj.weight" for x in "qkv")),
+                o=lin(p + "self_attn.o_proj.weight"),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight")))
+                gate_up=lin(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=lin(p + "mlp.down_proj.weight")))
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        # tied embeddings: the head is the lookup table itself, or (fp8) a quantized copy of it
+        self.lm_head = self.embed if c.tie_word_embeddings and quantization is None else lin(head)
         self.cos_sin = rope_cos_sin(c.head_dim, c.rope_theta, max_positions or c.max_position_embeddings,
                                     c.rope_scaling, device=self.device)
         self.scale = c.head_dim ** -0.5
 
     def num_bytes(self) -> int:
+        """Bytes of all weights held (FP8 codes and their scales included)."""
         ts = [self.embed, self.norm] + [t for layer in self.layers for t in layer.values()]
         if self.lm_head is not self.embed:
             ts.append(self.lm_head)
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.num_bytes() if isinstance(t, FP8Weight) else t.numel() * t.element_size()
+                   for t in ts)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,

@@ -39,10 +39,10 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..quantization import FP8Weight, linear
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .kv_store import kv_store_torch, kv_store_triton
 from .launch import INT32_LIMIT, freeze, merge_config, num_stages
@@ -93,7 +93,7 @@ def _qkv_composed(norm, rope, kv_store, x, norm_w, eps, w, positions, cos_sin, k
                   slot_mapping, num_heads):
     t = x.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    q, k, v = F.linear(norm(x, norm_w, eps), w).split([num_heads * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = linear(norm(x, norm_w, eps), w).split([num_heads * d, hkv * d, hkv * d], dim=-1)
     q, k = rope(q.reshape(t, num_heads, d), k.reshape(t, hkv, d), positions, cos_sin)
     kv_store(k, v.reshape(t, hkv, d), k_cache, v_cache, slot_mapping)
     return q
@@ -109,17 +109,17 @@ def norm_qkv_rope_store_torch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_
 
 def linear_residual_torch(x, w, residual):
     """residual + x @ w^T (one matmul with the add in its epilogue)."""
-    return torch.addmm(residual, x, w.t())
+    return linear(x, w, residual)
 
 
 def norm_swiglu_torch(x, norm_w, eps, w_gate_up):
     """silu(n Wg^T) * (n Wu^T) with n = rmsnorm(x); w_gate_up = [Wg; Wu] stacked [2I, H]."""
-    return silu_and_mul_torch(F.linear(rms_norm_torch(x, norm_w, eps), w_gate_up))
+    return silu_and_mul_torch(linear(rms_norm_torch(x, norm_w, eps), w_gate_up))
 
 
 def norm_lm_head_torch(x, norm_w, eps, w, greedy=False):
     """The final norm and the LM head: fp32 logits [T, vocab] (and, greedy=True, their argmax)."""
-    logits = F.linear(rms_norm_torch(x, norm_w, eps), w).float()
+    logits = linear(rms_norm_torch(x, norm_w, eps), w).float()
     return (logits, logits.argmax(dim=-1)) if greedy else logits
 
 
@@ -206,13 +206,15 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
 
 
 @triton.jit
-def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split, eps, ws_ptr,
-              cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, SPLITS: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr):
+def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K, k_split, eps,
+              ws_ptr, cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, HAS_SCALE: tl.constexpr,
+              SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """What every kernel below starts with: this program's partial dot products (_stream_rows),
-    the split-K sum (_gather_splits) and the norm's 1/rms. Returns (last, acc_a, acc_b): only the
-    program with `last` set holds the full sums and goes on to its kernel's epilogue."""
+    the split-K sum (_gather_splits), the FP8 weights' per-row scales (HAS_SCALE: w holds fp8
+    codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
+    Returns (last, acc_a, acc_b): only the program with `last` set holds the full sums and goes
+    on to its kernel's epilogue."""
     acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
                                         k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
     if SPLITS > 1:
@@ -220,6 +222,10 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_spli
                                                     SPLITS, BLOCK_M, BLOCK_R)
     else:
         last = True
+    if HAS_SCALE:
+        acc_a = acc_a * tl.load(s_ptr + rows_a, mask=rmask, other=0.0)[None, :]
+        if PAIRED:
+            acc_b = acc_b * tl.load(s_ptr + rows_b, mask=rmask, other=0.0)[None, :]
     if HAS_NORM:
         inv_rms = (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
         acc_a = acc_a * inv_rms
@@ -228,16 +234,18 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_spli
 
 
 @triton.jit
-def _linear_kernel(x_ptr, g_ptr, w_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_ptr, M, N, K, k_split,
-                   eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
-                   HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, SPLITS: tl.constexpr,
+def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_ptr, M, N, K,
+                   k_split, eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
+                   HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, HAS_SCALE: tl.constexpr,
+                   SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    IDX64: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
-    last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, w_rows, w_rows, rmask, M, K, k_split, eps,
-                             ws_ptr, cnt_ptr, HAS_NORM, False, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+    last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, w_rows, w_rows, rmask, M, K, k_split,
+                             eps, ws_ptr, cnt_ptr, HAS_NORM, False, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
+                             BLOCK_K, PDL)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
@@ -269,13 +277,14 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl
 
 
 @triton.jit
-def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
-                   stride_x, stride_o, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
+                   stride_x, stride_o, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
-    last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + INTER, rmask, M, K, k_split,
-                               eps, ws_ptr, cnt_ptr, True, True, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+    last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + INTER, rmask, M, K,
+                               k_split, eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M,
+                               BLOCK_R, BLOCK_K, PDL)
     if last:
         out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
@@ -284,9 +293,9 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k
 
 
 @triton.jit
-def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr, slot_ptr,
-                           ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
-                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr,
+                           slot_ptr, ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
@@ -297,8 +306,9 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, 
     i = (tl.program_id(0) % PER_HEAD) * BLOCK_R + tl.arange(0, BLOCK_R)
     imask = i < HALF
     rows = head * D + i
-    last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, rows, rows + HALF, imask, M, K, k_split, eps,
-                           ws_ptr, cnt_ptr, True, True, SPLITS, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+    last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + HALF, imask, M, K, k_split,
+                           eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
+                           BLOCK_K, PDL)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -363,6 +373,14 @@ def _rows2d(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _codes_scale(w):
+    """(weight tensor the kernel streams, its per-row scales or None): an FP8Weight's fp8 codes
+    and fp32 scales, or a plain weight and None."""
+    if isinstance(w, FP8Weight):
+        return w.q, w.scale
+    return w, None
+
+
 def _use_fused(x, fused) -> bool:
     """fused=None: the fused kernel for 1..FUSE_UP_TO tokens; True/False forces a path."""
     if fused is None:
@@ -383,22 +401,24 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
                              positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
     t, k = x.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
+    w, scale = _codes_scale(w)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and w.is_contiguous()
     assert cos_sin.is_contiguous() and cos_sin.shape[1] == d
     x = _rows2d(x)
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(
         x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl)
-    _qkv_rope_store_kernel[grid](x, norm_w, w, q, k_cache, v_cache, positions, cos_sin, slot_mapping,
-                                 ws, cnt, t, k, k_split, eps, x.stride(0), HQ=num_heads, HKV=hkv,
-                                 D=d, **kw)
+    _qkv_rope_store_kernel[grid](x, norm_w, w, scale if scale is not None else w, q, k_cache, v_cache,
+                                 positions, cos_sin, slot_mapping, ws, cnt, t, k, k_split, eps,
+                                 x.stride(0), HQ=num_heads, HKV=hkv, D=d,
+                                 HAS_SCALE=scale is not None, **kw)
     return q
 
 
 def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None):
     """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
-        return torch.addmm(residual, x, w.t())
+        return linear(x, w, residual)
     return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl)
 
 
@@ -407,7 +427,7 @@ def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
     taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
     if not _use_fused(x, fused):
-        logits = F.linear(rms_norm_triton(x, norm_w, eps), w).float()
+        logits = linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
     return _linear(x, norm_w, eps, w, None, torch.float32, config, pdl, greedy)
 
@@ -419,6 +439,7 @@ ARGMAX_MERGE_WARPS = 4
 def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
     t, k = x.shape
     n = w.shape[0]
+    w, scale = _codes_scale(w)
     assert w.is_contiguous()
     assert not greedy or n < 2 ** 24           # indices travel as fp32 partials: exact below 2^24
     x = _rows2d(x)
@@ -427,9 +448,10 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
     grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg, pdl)
     best = torch.empty((2, t, grid[0]), dtype=torch.float32, device=x.device) if greedy else out
     _linear_kernel[grid](
-        x, norm_w if norm_w is not None else w, w, r, out, best, ws, cnt, t, n, k, k_split, eps,
-        x.stride(0), r.stride(0), out.stride(0), HAS_NORM=norm_w is not None,
-        HAS_RESIDUAL=residual is not None, ARGMAX=greedy, IDX64=w.numel() >= INT32_LIMIT, **kw)
+        x, norm_w if norm_w is not None else w, w, scale if scale is not None else w, r, out, best, ws,
+        cnt, t, n, k, k_split, eps, x.stride(0), r.stride(0), out.stride(0), HAS_NORM=norm_w is not None,
+        HAS_RESIDUAL=residual is not None, ARGMAX=greedy, HAS_SCALE=scale is not None,
+        IDX64=w.numel() >= INT32_LIMIT, **kw)
     if not greedy:
         return out
     tokens = torch.empty(t, dtype=torch.int64, device=x.device)
@@ -443,13 +465,15 @@ def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], 
                        pdl=None):
     """Same contract as norm_swiglu_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
-        return silu_and_mul_triton(F.linear(rms_norm_triton(x, norm_w, eps), w_gate_up))
+        return silu_and_mul_triton(linear(rms_norm_triton(x, norm_w, eps), w_gate_up))
     t, k = x.shape
     inter = w_gate_up.shape[0] // 2
+    w_gate_up, scale = _codes_scale(w_gate_up)
     assert w_gate_up.is_contiguous()
     x = _rows2d(x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl)
-    _swiglu_kernel[grid](x, norm_w, w_gate_up, out, ws, cnt, t, inter, k, k_split, eps, x.stride(0),
-                         out.stride(0), **kw)
+    _swiglu_kernel[grid](x, norm_w, w_gate_up, scale if scale is not None else w_gate_up, out, ws, cnt,
+                         t, inter, k, k_split, eps, x.stride(0), out.stride(0),
+                         HAS_SCALE=scale is not None, **kw)
     return out

@@ -246,7 +246,8 @@ def build_model(rank: int, spec: WorldSpec, tensors: dict, group):
     from ..model import LlamaModel
     kernels = select_kernels(spec.backend, spec.engine_config.decode_variant, **(spec.kernel_options or {}))
     return LlamaModel(spec.config, tensors, spec.device(rank), getattr(torch, spec.dtype), kernels,
-                      max_positions=max_positions(spec.engine_config, spec.config), tp=group, presharded=True)
+                      max_positions=max_positions(spec.engine_config, spec.config), tp=group, presharded=True,
+                      quantization=spec.engine_config.quantization)
 
 
 def run_steps(rank: int, spec: WorldSpec, tensors: dict, group: ParallelGroup, fail_at=None) -> None:

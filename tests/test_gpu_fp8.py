@@ -1,0 +1,146 @@
+"""The fused decode-time linear layers (kernels/gemv.py) with FP8 weights (quantization.FP8Weight)
+against a float64 reference on the DEQUANTIZED weights: the kernels must add nothing to the error
+the quantization itself makes.
+
+On a GPU (sm89+, `-m gpu`): bf16 activations at Llama-3.2-1B shapes and at irregular ones. On the
+CPU the same kernels run in Triton's interpreter (which loads float8 e4m3fn and converts it
+exactly) in fp32 at small irregular shapes. Each case also runs above MAX_ROWS (the composed path:
+fp8 codes converted to the activation dtype, the matmul, the scale per output column).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedlab.kernels import gemv  # noqa: E402
+from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
+from pagedlab.quantization import FP8Weight, quantize_weight  # noqa: E402
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEV == "cuda" else torch.float32
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[DTYPE]
+# (hidden, intermediate, Hq, Hkv, D, vocab)
+SMALL = [(200, 344, 6, 2, 32, 333)]
+LARGE = [(2048, 8192, 32, 8, 64, 128256), (1000, 2730, 12, 4, 64, 5003)]
+gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA GPU of sm89+")]
+SHAPES = ([pytest.param(s, id="small") for s in SMALL] +
+          [pytest.param(s, id=f"h{s[0]}", marks=gpu_only) for s in LARGE])
+SPLIT = dict(BLOCK_R=8, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=2)   # split-K even when small
+CONFIGS = {"default": {}, "split": {"config": SPLIT}}
+# (launch config, tokens): the fused kernel at 1 and 3 tokens, with the default tiles and with
+# split-K; the composed path above MAX_ROWS (the interpreter is slow: not every pair on the CPU)
+CASES = [("default", 1), ("default", 3), ("split", 3), ("default", gemv.MAX_ROWS + 3)] + \
+    ([("split", 1)] if DEV == "cuda" else [])
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+if DEV == "cuda" and not GPU:
+    pytest.skip("FP8 kernels need sm89+", allow_module_level=True)
+
+
+def rand(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(DTYPE).to(DEV)
+
+
+def fp8_weight(n, k, gen, scale):
+    """Random [n, k] weight with the cases quantization must survive: one all-zero row, rows of
+    very different magnitudes (a 1000x row), one large outlier inside a row."""
+    w = torch.randn(n, k, generator=gen) * scale
+    w[n // 3] = 0.0
+    w[n // 2] *= 1000.0
+    w[n - 1, k // 2] = 50.0 * scale
+    return quantize_weight(w.to(DEV))
+
+
+def f64(t):
+    return t.dequantize(torch.float64) if isinstance(t, FP8Weight) else t.double()
+
+
+def check(out, ref):
+    assert torch.isfinite(out).all()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL, f"relative error {err:.3g} >= {TOL}"
+
+
+def fused(t):
+    return t <= gemv.MAX_ROWS
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config,t", CASES)
+def test_fp8_linear_residual(config, shape, t):
+    gen = torch.Generator().manual_seed(t)
+    hidden, inter = shape[:2]
+    for k, n in [(hidden, hidden), (inter, hidden)]:
+        x, w, r = rand(t, k, gen=gen), fp8_weight(n, k, gen, k ** -0.5), rand(t, n, gen=gen)
+        out = gemv.linear_residual_triton(x, w, r, fused=fused(t), **CONFIGS[config])
+        assert out.shape == (t, n) and out.dtype == DTYPE
+        check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config,t", CASES)
+def test_fp8_norm_swiglu(config, shape, t):
+    gen = torch.Generator().manual_seed(10 + t)
+    hidden, inter = shape[:2]
+    x, g = rand(t, hidden, gen=gen, scale=3.0), rand(hidden, gen=gen)
+    w = fp8_weight(2 * inter, hidden, gen, hidden ** -0.5)
+    out = gemv.norm_swiglu_triton(x, g, 1e-5, w, fused=fused(t), **CONFIGS[config])
+    assert out.shape == (t, inter) and out.dtype == DTYPE
+    check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config,t", CASES)
+def test_fp8_norm_lm_head(config, shape, t):
+    gen = torch.Generator().manual_seed(20 + t)
+    hidden, vocab = shape[0], shape[5]
+    x, g = rand(t, hidden, gen=gen, scale=0.5), rand(hidden, gen=gen)
+    w = fp8_weight(vocab, hidden, gen, 0.05)
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, fused=fused(t), **CONFIGS[config])
+    assert logits.shape == (t, vocab) and logits.dtype == torch.float32
+    check(logits, gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w)))
+    assert torch.equal(tokens, logits.argmax(-1))         # the in-kernel argmax of the same logits
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("config,t", CASES)
+def test_fp8_norm_qkv_rope_store(config, shape, t):
+    gen = torch.Generator().manual_seed(30 + t)
+    hidden, _, hq, hkv, d, _ = shape
+    x, g = rand(t, hidden, gen=gen, scale=2.0), rand(hidden, gen=gen)
+    w = fp8_weight((hq + 2 * hkv) * d, hidden, gen, hidden ** -0.5)
+    cos_sin = rope_cos_sin(d, 500000.0, 40000, LLAMA3_SCALING, device=DEV)
+    positions = torch.randint(0, 40000, (t,), generator=gen).to(DEV)
+    bs, nb = 5, t // 5 + 3
+    k_cache, v_cache = rand(nb, bs, hkv, d, gen=gen), rand(nb, bs, hkv, d, gen=gen)
+    slots = torch.randperm(nb * bs, generator=gen)[:t].to(DEV)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq,
+                                        fused=fused(t), **CONFIGS[config])
+    kr, vr = f64(k_cache), f64(v_cache)
+    qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
+                                        kr, vr, slots, hq)
+    assert q.shape == (t, hq, d) and q.dtype == DTYPE
+    check(q, qr)
+    flat = lambda c: c.reshape(-1, hkv, d)   # noqa: E731
+    check(flat(kc)[slots], flat(kr)[slots])
+    check(flat(vc)[slots], flat(vr)[slots])
+
+
+def test_fp8_kernels_read_the_scale_of_each_row():
+    """A weight whose rows differ only in their scale: every output is its row's scale times the
+    same dot product -- a kernel that applied one row's scale to another (or none) fails here."""
+    gen = torch.Generator().manual_seed(3)
+    k, n = 200, 37
+    codes = (torch.randn(1, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.logspace(-4, 3, n)
+    w = FP8Weight(codes.expand(n, k).contiguous().to(DEV), scale.to(DEV))
+    x, r = rand(1, k, gen=gen), torch.zeros(1, n, dtype=DTYPE, device=DEV)
+    out = gemv.linear_residual_triton(x, w, r, config=SPLIT, fused=True).double()
+    dot = (x.double() @ codes.double().to(DEV).t()).item()
+    check(out, dot * scale.double().to(DEV)[None, :])
