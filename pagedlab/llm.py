@@ -11,6 +11,7 @@ import torch
 
 from .config import EngineConfig, resolve_device_dtype
 from .conversation import check_conversation, is_conversation
+from .cpu_threads import apply_cpu_thread_policy
 from .engine import Engine, max_positions
 from .engine_args import engine_config_kwargs
 from .kernels import select_kernels
@@ -147,6 +148,7 @@ class LLM:
         if decode_kernel is not None:
             engine_kwargs.setdefault("cuda_graphs", False)
         device, dtype = resolve_device_dtype(device, dtype)
+        apply_cpu_thread_policy(device)          # cpu_threads.py: one thread unless the user chose
         if tp * dp > 1:
             check_parallel_devices(device, tp * dp)
         # a Checkpoint given by hand is checked like a loaded one (shapes, dtypes, finite values)

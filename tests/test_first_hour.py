@@ -194,3 +194,39 @@ def test_max_tokens_past_the_context_is_400_naming_it(server):
     near = post(server, "/v1/completions", {"model": "random:tiny", "prompt": list(range(5, 5 + CONTEXT - 6)),
                                             "temperature": 0, "ignore_eos": True})
     assert near.status_code == 200 and near.json()["usage"]["completion_tokens"] == 6
+
+
+# -- CPU threads -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def torch_threads(monkeypatch):
+    """torch's thread count as pagedlab found it at import, no thread variables; restored after."""
+    import torch
+    from pagedlab import cpu_threads
+    for v in cpu_threads.THREADS_ENV + ("PAGEDLAB_CPU_THREADS",):
+        monkeypatch.delenv(v, raising=False)
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "_TORCH_DEFAULT", 3)
+    torch.set_num_threads(3)
+    yield torch
+    torch.set_num_threads(before)
+
+
+def test_an_llm_on_the_cpu_decodes_with_one_thread_unless_the_user_chose(torch_threads, monkeypatch):
+    from pagedlab.cpu_threads import cpu_threads_for
+    torch = torch_threads
+    assert cpu_threads_for(torch.device("cuda")) is None
+    tiny_llm()
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(2)                          # the user's own choice, before the LLM: kept
+    assert cpu_threads_for(torch.device("cpu")) is None
+    tiny_llm()
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(3)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads_for(torch.device("cpu")) is None
+    monkeypatch.setenv("PAGEDLAB_CPU_THREADS", "2")
+    assert cpu_threads_for(torch.device("cpu")) == 2
+    monkeypatch.setenv("PAGEDLAB_CPU_THREADS", "two")
+    with pytest.raises(ValueError, match="PAGEDLAB_CPU_THREADS must be an integer >= 1, got 'two'"):
+        tiny_llm()
