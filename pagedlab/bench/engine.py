@@ -192,6 +192,7 @@ def main(argv=None):
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--out", default="figures", help="where engine_bench.json/.png go")
     p.add_argument("--profile", action="store_true", help="only a kernel breakdown of decode steps")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (default: bf16)")
     args = p.parse_args(argv)
     require_cuda("bench engine")
 
@@ -206,7 +207,7 @@ def main(argv=None):
     need = max(len(a) + b for a, b in zip(prompts, out_lens))
     t0 = time.perf_counter()
     llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=args.slots,
-              max_model_len=max(need + 16, 2048), show_progress=False)
+              max_model_len=max(need + 16, 2048), show_progress=False, quantization=args.quantization)
     setup_s = time.perf_counter() - t0
     weight_bytes = llm.model.num_bytes()
     floor_tps = bw / weight_bytes
