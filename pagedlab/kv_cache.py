@@ -15,6 +15,7 @@ from collections import OrderedDict, deque
 
 import torch
 
+from .interrupts import atomic
 from .prefix_cache import PrefixCache
 
 
@@ -79,10 +80,11 @@ class BlockAllocator:
         cached = self.cached
         return sum(b in cached for b in blocks)
 
+    @atomic
     def allocate(self, owner, n: int = 1, shared=()) -> list[int]:
         """Take the `shared` blocks (prefix-cache hits: one more holder each) and `n` fresh ones;
         returns shared + fresh, in that order. All or nothing: it checks first, then changes
-        state with plain statements only (no call an interrupt could land on)."""
+        state in one deferred section (interrupts.atomic: a Ctrl-C waits for its end)."""
         cached, refs = self.cached, self.ref_count
         revived = sum(b in cached for b in shared)
         if n + revived > len(self.free_blocks) + len(cached):
@@ -105,9 +107,11 @@ class BlockAllocator:
             taken.append(b)
         return taken
 
+    @atomic
     def free(self, blocks) -> None:
         """One holder fewer for each block. A block nobody holds any more stays cached (most
-        recently used) if the prefix cache names it, else it goes back to the free list."""
+        recently used) if the prefix cache names it, else it goes back to the free list. One
+        deferred section: a Ctrl-C half-way would leave some blocks freed and others not."""
         refs, named = self.ref_count, self.prefix_cache.key_of
         for b in blocks:
             count = refs.get(b, 0)
@@ -123,6 +127,7 @@ class BlockAllocator:
             else:
                 self.free_blocks.append(b)
 
+    @atomic
     def reset_prefix_cache(self) -> None:
         """Forget every named prefix: cached blocks become free (held blocks stay held, unnamed)."""
         self.free_blocks.extend(self.cached)

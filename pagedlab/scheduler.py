@@ -29,6 +29,11 @@ accept = advance + settle. When the host runs one step ahead of the GPU (engine.
 two halves happen apart: advance() when the step is launched (its tokens become PENDING
 placeholders), settle() once its tokens are read back.
 
+Interrupts: schedule, advance, settle, finish, preempt and abort are each one deferred section
+(interrupts.atomic): a Ctrl-C that arrives inside one is raised at its end, so a request is never
+left half-finished or half-admitted (plain statements are not enough: Python raises a pending
+KeyboardInterrupt right after any call returns, `list.append` included).
+
 Plain Python: no tensors here, so it can be taught, drawn and tested without a GPU. The block-table
 entries a step changes travel in its batch (`table_edits`); the runner writes them to the device.
 """
@@ -38,6 +43,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from .interrupts import atomic
 from .kv_cache import BlockAllocator, blocks_needed
 from .prefix_cache import extend_keys
 from .request import PENDING, Request, RequestStatus
@@ -122,7 +128,7 @@ class Scheduler:
         if need > self.allocator.num_free:
             return False
         blocks = self.allocator.allocate(req.request_id, need)
-        for b in blocks:       # plain statements, no calls: an interrupt cannot land in between
+        for b in blocks:
             self.table_edits.append((req.slot, len(req.blocks), b))
             req.blocks.append(b)
         return True
@@ -144,12 +150,14 @@ class Scheduler:
         req.slot = None
         self.admitted.remove(req)
 
+    @atomic
     def preempt(self, req: Request) -> None:
         self._release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    @atomic
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
         """Stop a request for good: blocks freed, slot emptied, out of the queue; handed out once."""
         if req.slot is not None:
@@ -163,6 +171,7 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         self.finished.append(req)
 
+    @atomic
     def abort(self, request_id: int) -> bool:
         """Remove a request wherever it is (queued, prefilling, decoding, preempted). It is handed
         out once more, with finish_reason "abort". False if it is unknown or already finished."""
@@ -223,6 +232,7 @@ class Scheduler:
         if victim in step.decode:
             step.decode.remove(victim)
 
+    @atomic
     def schedule(self) -> Batch:
         self._settle_leftovers()
         step = Batch()
@@ -256,7 +266,7 @@ class Scheduler:
             if fresh + alloc.num_cached_in(hits) > alloc.num_free:
                 break                  # wait for running requests to free blocks
             blocks = alloc.allocate(req.request_id, fresh, shared=hits)
-            self.waiting.popleft()             # (from here on no call can be interrupted half-way)
+            self.waiting.popleft()
             req.slot = self.slots.index(None)
             self.slots[req.slot] = req
             self.admitted.append(req)
@@ -282,11 +292,13 @@ class Scheduler:
             step.view = self._view(step)
         return step
 
+    @atomic
     def accept(self, batch: Batch, tokens: list[int]) -> None:
         """After the step ran: append each new token, stop, finish, free."""
         self.advance(batch, tokens)
         self.settle(batch, tokens)
 
+    @atomic
     def advance(self, batch: Batch, tokens: list[int] | None = None) -> None:
         """The step is launched: its tokens are in the cache, and each sampled request's next token
         is due (a PENDING placeholder until settle). Block-table edits it carried are written."""
@@ -299,6 +311,7 @@ class Scheduler:
             r.output_token_ids.append(PENDING)
         del self.table_edits[:len(batch.table_edits)]
 
+    @atomic
     def settle(self, batch: Batch, tokens: list[int]) -> None:
         """Each token in place of its placeholder; requests that are done stop. Safe to call again
         for the same batch if it was interrupted (what is done stays done)."""
