@@ -205,6 +205,11 @@ class AsyncLLM:
             total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         return total
 
+    def core_status(self) -> list[dict]:
+        """Each engine core: its process id, whether it runs, why it stopped."""
+        return [dict(pid=c.info.pid, alive=c.is_alive(), **({"error": c.dead} if c.dead else {}))
+                for c in self.cores]
+
     def is_alive(self) -> bool:
         """Is every engine core running (not shut down, not dead)?"""
         return not self._stopped and all(c.is_alive() for c in self.cores)
@@ -265,6 +270,18 @@ class AsyncLLM:
                 core.send(("add", adds))
             if aborts:
                 core.send(("abort", aborts))
+
+    async def watch(self, every_s: float = 1.0) -> None:
+        """Read the cores' messages on the running loop from now on, and look at the cores every
+        `every_s`: one that ended without a word (killed) is reported like one whose pipe closed.
+        The server runs this for its whole life."""
+        self._attach(asyncio.get_running_loop())
+        while not self._stopped:
+            for k, core in enumerate(self.cores):
+                if core.dead is None and not core.is_alive() and not self._stopped:
+                    code = getattr(getattr(core, "process", None), "exitcode", None)
+                    self._on_death(k, f"the engine core process ended (exit code {code})")
+            await asyncio.sleep(every_s)
 
     def _attach(self, loop) -> None:
         """Read the cores' messages on this loop (the first caller's; a later asyncio.run's loop

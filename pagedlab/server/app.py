@@ -144,7 +144,16 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
     made it shuts it down (pagedlab.server.serve does)."""
     tokenizer, max_model_len = async_llm.tokenizer, async_llm.max_model_len
-    app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine")
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        watcher = asyncio.create_task(async_llm.watch())    # the cores' messages, and their health
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+    app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
+                  lifespan=lifespan)
     metrics = ServerMetrics(async_llm.stats)
     gate = AdmissionGate(async_llm.max_num_seqs, max_waiting)
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
@@ -168,7 +177,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     @app.get("/health")
     async def health():
         alive = async_llm.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+        return JSONResponse({"status": "ok" if alive else "engine stopped", "engine_cores": async_llm.core_status()},
+                            status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus():

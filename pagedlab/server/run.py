@@ -17,6 +17,7 @@ server (the CLI exits with status 1: a supervisor restarts it); a background one
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -74,6 +75,10 @@ def default_name(llm) -> str:
     return getattr(llm, "model_name", None) or llm.checkpoint.source     # as the user named it: "smollm2"
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(0)
+
+
 def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
     app = build_app(async_llm, model_name, max_waiting=max_waiting)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
@@ -107,9 +112,13 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
     if on_ready is not None:
         on_ready(async_llm)
     if not background:
+        # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for us: SIGTERM
+        # becomes a normal exit (engine cores stopped below), not a kill
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             server.run()
         finally:
+            signal.signal(signal.SIGTERM, previous)
             async_llm.shutdown()
         if died:
             raise SystemExit(1)
