@@ -52,11 +52,16 @@ def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype
               num_kv_heads: int | None = None) -> int:
     """Number of KV blocks: given, or a fraction of free device memory (CUDA), or on CPU enough
     for every slot at max_model_len (capped at CPU_KV_POOL_CAP_BYTES). num_kv_heads: the heads
-    this device holds (fewer under tensor parallelism)."""
-    if cfg.num_blocks is not None:
-        return cfg.num_blocks
+    this device holds (fewer under tensor parallelism). On CPU a single block past the cap is
+    refused (ValueError naming block_size): the pool would otherwise be that one block."""
     per_block = KVCache.bytes_per_block(model_config.num_layers, cfg.block_size,
                                         num_kv_heads or model_config.num_kv_heads, model_config.head_dim, dtype)
+    if device.type != "cuda" and per_block > CPU_KV_POOL_CAP_BYTES:
+        raise ValueError(f"block_size={cfg.block_size}: one KV block of this model takes "
+                         f"{per_block / 2**30:.1f} GiB, more than the CPU KV pool's cap of "
+                         f"{CPU_KV_POOL_CAP_BYTES / 2**30:.0f} GiB; use a smaller block_size (16 is usual)")
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return max(1, int(free * cfg.memory_fraction) // per_block)

@@ -140,6 +140,9 @@ class LLM:
         enable_prefix_caching, enforce_eager); an unknown keyword is a TypeError before anything
         loads, naming the nearest known one."""
         engine_kwargs = engine_config_kwargs(engine_kwargs, inspect.signature(LLM.__init__).parameters)
+        if checkpoint is None and (model is None or (isinstance(model, str) and not model.strip())):
+            raise ValueError(f"LLM(model={model!r}): no model named; give a name ('smollm2', "
+                             "'random:tiny'), a checkpoint directory or a Hugging Face hub id")
         self.model_name = model if isinstance(model, str) and checkpoint is None else None   # as the user named it
         tp, dp = parallel_sizes(tensor_parallel_size, data_parallel_size)
         if tp * dp > 1 and (allocator is not None or scheduler is not None or decode_kernel is not None):
@@ -255,8 +258,12 @@ class LLM:
         return self.engine.trace
 
     def abort(self, request_id: int) -> bool:
-        """Cancel a request (see Engine.abort)."""
-        return self.engine.abort(request_id)
+        """Cancel a request (see Engine.abort). The id must be an integer: True would otherwise
+        be taken for request 1 (True == 1 as a key)."""
+        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+            raise TypeError(f"request_id must be an integer (a RequestOutput's request_id), got "
+                            f"{request_id!r} ({type(request_id).__name__})")
+        return self.engine.abort(int(request_id))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False, use_tqdm: bool = False, on_finish=None, *,
@@ -270,6 +277,10 @@ class LLM:
         vLLM's. Every prompt is checked before any is queued. If generate is interrupted (Ctrl-C,
         an exception in on_finish) its unfinished requests are aborted; requests that others added
         through engine.add_request and that finish meanwhile are handed back to the engine, not lost."""
+        if prompts is None or isinstance(prompts, (numbers.Number, bytes, bytearray)) or \
+                not hasattr(prompts, "__iter__"):
+            raise TypeError(f"prompts must be a string, a list of token ids, a conversation or a list "
+                            f"of those; got {prompts!r} ({type(prompts).__name__})")
         params = self._params_argument(params, sampling_params)
         if system is not None and not chat:
             raise ValueError("system= is a chat turn: use LLM.chat(prompts, system=...) (or chat=True)")

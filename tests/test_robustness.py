@@ -11,6 +11,7 @@ request or change another request's output.
 * generate(): interrupted -> its own requests aborted, others' results handed back; a refused
   generate() does not shift later unseeded outputs.
 """
+import json
 import os
 import random
 import sys
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from helpers import random_prompts, tiny_llm
-from pagedlab import SamplingParams
+from pagedlab import LLM, SamplingParams, tiny_config
 from pagedlab.request import PENDING, RequestStatus
 from test_scheduler import check_invariants
 
@@ -268,3 +269,79 @@ def test_refused_generate_does_not_shift_unseeded_outputs():
         llm.generate([[3, 4, 5], [3, 10**6]], sp)
     assert not llm.engine.has_work()
     assert llm.generate([[3, 4, 5]], sp)[0].token_ids == fresh
+
+
+# -- bad input at the doors: an error naming the field, never a crash ---------------------------
+
+def _surrogate_bodies(rnd):
+    """(raw body, the field path that holds a lone surrogate) -- a random place each time."""
+    lone = rnd.choice(["\\ud800", "\\udfff", "\\uDC00", "\\udbff"])
+    text = f"a{lone}b" if rnd.random() < 0.5 else lone
+    k = rnd.randint(0, 2)
+    msgs = [{"role": "user", "content": "hi"} for _ in range(3)]
+    msgs[k]["content"] = "@"
+    chat = json.dumps({"model": "m", "messages": msgs}).replace('"@"', f'"{text}"')
+    yield chat.encode(), f"messages[{k}].content"
+    yield json.dumps({"model": "m", "prompt": "@"}).replace('"@"', f'"{text}"').encode(), "prompt"
+    stops = ["x", "y", "@"]
+    rnd.shuffle(stops)
+    body = json.dumps({"model": "m", "prompt": "hi", "stop": stops}).replace('"@"', f'"{text}"')
+    yield body.encode(), f"stop[{stops.index('@')}]"
+
+
+def test_server_refuses_lone_surrogates_naming_the_field():
+    from pagedlab.server.protocol import OpenAIError, read_body
+    rnd = random.Random(0)
+    for _ in range(20):
+        for raw, path in _surrogate_bodies(rnd):
+            with pytest.raises(OpenAIError, match="surrogate") as e:
+                read_body(raw)
+            assert e.value.status == 400 and e.value.body()["error"]["param"] == path, raw
+    # a surrogate *pair* is one character: accepted
+    assert read_body(b'{"prompt": "x \\ud83d\\ude00"}')["prompt"] == "x \U0001F600"
+
+
+@pytest.mark.parametrize("depth", [101, 900, 20000])
+def test_server_refuses_deep_nesting_naming_the_field(depth):
+    from pagedlab.server.protocol import MAX_JSON_DEPTH, OpenAIError, read_body
+    rnd = random.Random(depth)
+    field = rnd.choice(["messages", "metadata", "prompt", "tools"])
+    open_, close = rnd.choice([("[", "]"), ('{"a": ', "}")])
+    raw = f'{{"model": "m", "{field}": {open_ * depth}1{close * depth}, "z": [1]}}'.encode()
+    with pytest.raises(OpenAIError, match=f"{depth} deep") as e:
+        read_body(raw)
+    assert e.value.status == 400 and e.value.body()["error"]["param"] == field
+    ok = f'{{"model": "m", "{field}": {open_ * MAX_JSON_DEPTH}1{close * MAX_JSON_DEPTH}}}'.encode()
+    assert read_body(ok)["model"] == "m"
+
+
+def test_llm_arguments_named_before_anything_runs():
+    llm = tiny_llm(max_num_seqs=2, num_blocks=32)
+    rid = llm.engine.add_request([3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    for bad in (True, False, 1.0, "1", None):
+        with pytest.raises(TypeError, match="request_id must be an integer"):
+            llm.abort(bad)
+    assert llm.engine.scheduler.requests[rid].status is RequestStatus.WAITING   # untouched
+    for bad in (None, 123, 1.5, b"ab"):
+        with pytest.raises(TypeError, match="prompts must be"):
+            llm.generate(bad)
+    assert [r.request_id for r in llm.engine.run()] == [rid]
+    for name in ("", "  ", None):
+        with pytest.raises(ValueError, match="no model named"):
+            LLM(name)
+
+
+def test_cpu_pool_refuses_a_block_past_its_cap():
+    from pagedlab.config import EngineConfig
+    from pagedlab.engine import CPU_KV_POOL_CAP_BYTES, pool_size
+    from pagedlab.kv_cache import KVCache
+    cfg = tiny_config()
+    per_token = KVCache.bytes_per_block(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    too_big = CPU_KV_POOL_CAP_BYTES // per_token + 1          # tokens in one block past the cap
+    with pytest.raises(ValueError, match=f"block_size={too_big}: one KV block"):
+        tiny_llm(block_size=too_big, dtype="float32")
+    with pytest.raises(ValueError, match="one KV block"):       # a pool of one given block too
+        tiny_llm(block_size=too_big, num_blocks=1, dtype="float32")
+    # one token less fits: a pool of that one block (sized, not allocated here)
+    fits = EngineConfig(block_size=too_big - 1, device="cpu", dtype="float32")
+    assert pool_size(cfg, fits, 10**9, torch.device("cpu"), torch.float32) == 1

@@ -125,15 +125,73 @@ def _show(value) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
+MAX_JSON_DEPTH = 100        # arrays / objects inside each other; OpenAI's bodies need a handful
+# a JSON string, with the colon after it when it is a key; or a bracket
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:|"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# the only way a lone surrogate gets into parsed JSON: an escape \ud800 .. \udfff in the text
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def read_body(raw: bytes) -> dict:
-    """The request body as a JSON object, or a 400."""
+    """The request body as a JSON object, or a 400: also for a body nested deeper than
+    MAX_JSON_DEPTH (the parser and everything after it recurse: a 500 otherwise) and for a string
+    holding a lone surrogate such as "\\ud800" (valid JSON, but not text: it cannot be encoded
+    to UTF-8 for the tokenizer). Both name the field."""
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
+        field, depth = _deepest_field(raw)
+        if depth > MAX_JSON_DEPTH:
+            bad(f"{field or 'the request body'} nests arrays and objects {depth} deep; at most "
+                f"{MAX_JSON_DEPTH} are accepted", param=field)
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         bad(f"the request body is not valid JSON: {e}")
     if not isinstance(body, dict):
         bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):
+        path = _lone_surrogate(body)
+        if path is not None:
+            bad(f"{path} holds a lone UTF-16 surrogate (an escape \\ud800 .. \\udfff without its pair): "
+                f"not valid Unicode text", param=path)
     return body
+
+
+def _deepest_field(raw: bytes) -> tuple[str | None, int]:
+    """(the top-level field holding the deepest nesting, that depth), from the raw text's strings
+    and brackets (no parsing: the parser is what would fail)."""
+    depth = deepest = 0
+    key = field = None
+    for m in _JSON_TOKENS.finditer(raw):
+        tok = m.group()
+        if tok in (b"[", b"{"):
+            depth += 1
+            if depth > deepest:
+                deepest, field = depth, key
+        elif tok in (b"]", b"}"):
+            depth -= 1
+        elif depth == 1 and tok.endswith(b":"):
+            key = tok[:tok.rindex(b'"') + 1][1:-1].decode("utf-8", "replace")
+    return field, deepest - 1          # the body's own braces are not nesting
+
+
+def _lone_surrogate(value, path: str | None = None) -> str | None:
+    """The path ("messages[0].content") of the first string (or key) holding a lone surrogate."""
+    todo = [(path, value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                sub = k if path is None else f"{path}.{k}"
+                todo.append((sub, k))
+                todo.append((sub, x))
+        elif isinstance(v, list):
+            todo += [(f"{path}[{i}]", x) for i, x in enumerate(v)]
+    return None
 
 
 def check_shape(body: dict, allowed: dict) -> None:
