@@ -222,7 +222,7 @@ def test_aborted_stream_frees_its_blocks(server):
 
 CLIENT_SCRIPT = """
 import sys, httpx
-body = {"model": sys.argv[2], "prompt": list(range(3, 30)), "max_tokens": 220, "temperature": 0,
+body = {"model": sys.argv[2], "prompt": list(range(3, 30)), "max_tokens": int(sys.argv[3]), "temperature": 0,
         "stream": True, "ignore_eos": True}
 with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60) as r:
     for line in r.iter_lines():
@@ -232,26 +232,48 @@ with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60
     import time
     time.sleep(600)
 """
+ENDLESS_TOKENS = 100_000      # minutes of decoding: a request that cannot finish while a test looks at it
 
 
-def test_server_survives_a_killed_client(server):
-    before = metrics(server)
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, MODEL], stdout=subprocess.PIPE,
-                            text=True)
+def wait_for(condition, what: str, deadline_s: float = DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"not true after {deadline_s} s: {what}")
+        time.sleep(0.01)
+
+
+def test_server_survives_a_killed_client():
+    """A client SIGKILLed mid-stream: its request is aborted (not run to its end), its blocks are
+    freed, and the server serves the next request. The request asks for ENDLESS_TOKENS, so it is
+    certainly still running when the client dies, however busy the machine is."""
+    c = tiny_config(max_position_embeddings=ENDLESS_TOKENS + 64)
+    llm = tiny_llm(config=c, tokenizer=IdTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids), dtype="float32",
+                   max_num_seqs=2, num_blocks=(ENDLESS_TOKENS + 64) // 16 + 8)
+    server = serve(llm, model_name=MODEL, port=0)
     try:
-        assert proc.stdout.readline().strip() == "streaming"
-        assert engine_of(server).scheduler.allocator.num_used > 0
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(DEADLINE_S)
+        before = metrics(server)
+        proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, MODEL, str(ENDLESS_TOKENS)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "streaming"
+            wait_for(lambda: engine_of(server).scheduler.allocator.num_used > 0, "the request holds KV blocks")
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(DEADLINE_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        wait_idle(server)
+        after = metrics(server)
+        abort = ("pagedlab_requests_finished_total", (("finish_reason", "abort"),))
+        assert after[abort] == before.get(abort, 0) + 1
+        assert moved(before, after, "pagedlab_generation_tokens_total") < ENDLESS_TOKENS
+        r = client(server).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        assert len(ids_of(r.choices[0].text)) == 4
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    wait_idle(server)
-    assert moved(before, metrics(server), "pagedlab_generation_tokens_total") < 220     # aborted, not finished
-    r = client(server).completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
-                                          extra_body={"ignore_eos": True})
-    assert len(ids_of(r.choices[0].text)) == 4
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+        server.stop()
 
 
 # -- bad requests --------------------------------------------------------------------------------
