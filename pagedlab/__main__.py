@@ -14,7 +14,9 @@ import sys
 
 from .bench import BENCHMARKS, HTTP_BENCHMARKS
 
+from .config import EngineConfig
 from .course import DEMO_PROMPTS
+from .sampling import DEFAULT_MAX_TOKENS
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 SEED_LIMIT = 2 ** 63                                   # seeds are int64 on the device
 DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -29,8 +31,24 @@ def fail(message: str) -> None:
     raise SystemExit(USAGE_ERROR)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows every option's default: "(default: X)" after its help, unless the help already
+    says what the default is or there is none to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        if shown and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (the full usage stays under --help)."""
+    """argparse with one-line usage errors (the full usage stays under --help), defaults in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         fail(f"{message} (see: {self.prog} --help)")
@@ -76,6 +94,7 @@ def check_args(args) -> None:
         fail(f"--slots must be >= 1, got {args.slots}")
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_memory_fraction(args)
     if getattr(args, "top_k", 0) < 0:
         fail(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
     top_p = getattr(args, "top_p", 1.0)
@@ -98,6 +117,13 @@ def check_args(args) -> None:
                  "in the environment, or use --backend torch or --device cuda")
 
 
+def check_memory_fraction(args) -> None:
+    v = args.gpu_memory_utilization
+    if v is not None and not 0.0 < v <= 1.0:                      # also rejects nan
+        fail(f"--gpu-memory-utilization must be in (0, 1] (the share of free GPU memory for the KV "
+             f"pool), got {v}")
+
+
 # ------------------------------------------------------------------ commands
 def check_parallel_args(args, data_parallel: bool = True) -> None:
     for flag, v in (("--tensor-parallel-size", args.tensor_parallel_size),
@@ -110,6 +136,9 @@ def check_parallel_args(args, data_parallel: bool = True) -> None:
 
 def _llm(args, **kw):
     from .llm import LLM
+    if args.gpu_memory_utilization is not None:
+        kw["memory_fraction"] = args.gpu_memory_utilization
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
                attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
@@ -124,13 +153,16 @@ def demo(args) -> None:
           f"{eng.config.block_size} tokens, attention: {llm.model.kernels.backend}\n")
     prompts = args.prompts or DEMO_PROMPTS
 
+    print(f"answering {len(prompts)} prompts, {eng.config.max_num_seqs} at a time ...\n", flush=True)
+
     def show(o):
         print(f"[request {o.request_id} finished: {o.finish_reason}, {len(o.token_ids)} tokens, "
-              f"first token after {o.ttft_s * 1e3:.0f} ms]")
+              f"first token {o.ttft_s * 1e3:.0f} ms after it was queued (waiting for a slot included)]")
         print(f"  Q: {o.prompt}\n  A: {o.text.strip()}\n", flush=True)
 
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens,
                                                 temperature=args.temperature), chat=True, on_finish=show)
+    say_length_limit(outs, args.max_new_tokens)
     trace = llm.trace
     print(f"slot timeline ({len(trace)} steps; capital letter = prefill, small = decode, '.' = idle):")
     print(trace.timeline())
@@ -145,8 +177,19 @@ def generate(args) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     llm = _llm(args)
-    for o in llm.generate(args.prompts, params, chat=not args.raw):
+    outs = llm.generate(args.prompts, params, chat=not args.raw)
+    for o in outs:
         print(o.text.strip())
+    say_length_limit(outs, args.max_new_tokens)
+
+
+def say_length_limit(outs, max_tokens: int) -> None:
+    """On stderr: which answers stopped at the token limit rather than at their end."""
+    cut = [i for i, o in enumerate(outs) if o.finish_reason == "length"]
+    if cut:
+        which = "" if len(outs) == 1 else f" (answer{'s' if len(cut) > 1 else ''} {', '.join(str(i + 1) for i in cut)})"
+        print(f"[stopped at {max_tokens} tokens (max_tokens){which}; pass --max-tokens N for more]",
+              file=sys.stderr, flush=True)
 
 
 def check_serve_args(args) -> None:
@@ -156,6 +199,7 @@ def check_serve_args(args) -> None:
         fail("--model must name a model, got an empty string")
     if args.slots < 1:
         fail(f"--slots must be >= 1, got {args.slots}")
+    check_memory_fraction(args)
     if args.max_waiting < 0:
         fail(f"--max-waiting must be >= 0 (requests queued beyond the slots before 503), got {args.max_waiting}")
     if not 0 <= args.port <= 65535:
@@ -192,8 +236,17 @@ def serve(args) -> None:
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.prefix_caching:
         kw["prefix_caching"] = True
+    if args.gpu_memory_utilization is not None:
+        kw["memory_fraction"] = args.gpu_memory_utilization
     name = args.served_model_name or args.model
     dp = args.data_parallel_size
+    if args.engine_thread:           # the design before core processes: one process, two threads
+        if dp > 1:
+            fail("--engine-thread runs one engine: leave out --data-parallel-size")
+        llm = _llm(args, **kw)
+        run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
+                   background=False, log_level=args.log_level)
+        return
     print(f"loading {args.model} in {dp} engine core process{'es' if dp > 1 else ''} ...",
           file=sys.stderr, flush=True)
     run_server(args.model, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
@@ -217,9 +270,14 @@ def build_parser() -> ArgumentParser:
         sp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
         sp.add_argument("--dtype", default=None,
                         help="bfloat16, float16 or float32 (default: bf16 on GPUs of compute capability 8.0+, fp16 below, e.g. a T4; fp32 on cpu)")
-        sp.add_argument("--slots", type=int, default=2, help="max sequences decoding together (>= 1)")
-        sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-        sp.add_argument("--max-new-tokens", type=int, default=48, help=">= 1")
+        sp.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=2,
+                        help="max sequences decoding together (>= 1)")
+        sp.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help=f"share of free GPU memory for the KV pool, in (0, 1] (default: "
+                             f"{EngineConfig.memory_fraction}; on cpu the pool holds every slot at full length)")
+        sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
+        sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int,
+                        default=DEFAULT_MAX_TOKENS, help="new tokens per answer at most (>= 1)")
         sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
         sp.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
@@ -245,19 +303,27 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="0: any free port")
     s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
-    s.add_argument("--slots", type=int, default=8, help="max sequences decoding together (>= 1)")
+    s.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=8,
+                   help="max sequences decoding together (>= 1)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of free GPU memory for the KV pool, in (0, 1] (default: "
+                        f"{EngineConfig.memory_fraction})")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     s.add_argument("--prefix-caching", action="store_true",
                    help="share the KV blocks of equal prompt prefixes between requests")
-    s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="N engine cores (one process and GPU each) behind this one server, "
                         "least-loaded routing (>= 1)")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of an engine core "
+                        "process (slower under load: they share one GIL; for comparison)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
     b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),
                        description="Benchmarks: kernels, engine, gemv, step on a CUDA GPU; serve "
                                    "against any OpenAI-compatible server. The arguments after the "

@@ -14,6 +14,8 @@ whoever added them.
 """
 from __future__ import annotations
 
+import time
+
 from .output_processor import Finished, RequestUpdate, StepOutput
 from .request import PENDING
 
@@ -32,6 +34,7 @@ class EngineCore:
         self.sent: dict[int, int] = {}        # request id -> output tokens handed out so far
         self.foreign: list = []               # finished requests this core did not add
         self.ended: list[RequestUpdate] = []  # endings not handed out yet (aborted between steps)
+        self.num_steps, self.step_seconds, self.step_sequences = 0, 0.0, 0   # since start (/metrics)
 
     def add(self, items) -> list[int]:
         """items: (request_id, token ids, text, params) as checked by the front end; a request_id
@@ -61,7 +64,10 @@ class EngineCore:
     def step(self) -> StepOutput:
         """One engine step; every request that got tokens or ended, once."""
         eng = self.engine
+        t0 = time.perf_counter()
         finished = eng.step()
+        self.step_seconds += time.perf_counter() - t0
+        self.num_steps += 1
         sched, sent = eng.scheduler, self.sent
         updates = []
         for req in sched.admitted:
@@ -73,6 +79,7 @@ class EngineCore:
             if n > have:
                 updates.append(RequestUpdate(req.request_id, out[have:n], self._logprobs(req, have, n)))
                 sent[req.request_id] = n
+        self.step_sequences += len(updates)
         updates += self._endings(finished)
         if self.ended:
             updates[:0], self.ended = self.ended, []
@@ -102,7 +109,8 @@ class EngineCore:
         sched = self.engine.scheduler
         alloc = sched.allocator
         s = dict(running=len(sched.admitted), waiting=len(sched.waiting), kv_used=alloc.num_used,
-                 kv_total=alloc.num_blocks)
+                 kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
+                 step_sequences=self.step_sequences)
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):
             if hasattr(alloc, attr):
                 s[attr] = float(getattr(alloc, attr))

@@ -21,6 +21,11 @@ vLLM, or `transformers serve`. pagedlab-only fields are never sent unless asked:
 `ignore_eos: true` (vLLM and pagedlab honour it: every request generates exactly its output length)
 and gives prompts as random token ids; without it, prompts are random words and answers may stop early.
 Results: <out>/serve_bench.json (with the command, versions, date) and <out>/serve_bench.png.
+
+Served against offline, in one command: --serve "ARGS" starts `python -m pagedlab serve ARGS` itself
+(and stops it at the end); --offline then runs the very same requests through LLM.generate (built from
+the same ARGS, in a fresh process once the server is gone) and prints served / offline tokens/s.
+--no-stream asks for whole answers instead of server-sent events.
 """
 from __future__ import annotations
 
@@ -139,12 +144,15 @@ class Result:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Result:
-    """One streaming /v1/completions request, timed chunk by chunk."""
+async def send(client, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
+    """One streaming /v1/completions request, timed chunk by chunk (stream=False: one whole answer;
+    its TTFT is then the whole latency, as a client sees it)."""
     body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
+    if not stream:
+        return await send_whole(client, url, body)
     r = Result()
     chunks, finished = 0, False
     t0 = time.perf_counter()
@@ -192,6 +200,25 @@ async def send(client, url: str, model: str, job: Job, ignore_eos: bool) -> Resu
     return r
 
 
+async def send_whole(client, url: str, body: dict) -> Result:
+    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    r = Result()
+    t0 = time.perf_counter()
+    try:
+        resp = await client.post(f"{url}/v1/completions", json=body)
+        if resp.status_code != 200:
+            r.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            return r
+        usage = resp.json().get("usage") or {}
+    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency_s = r.ttft_s = time.perf_counter() - t0
+    r.output_tokens, r.prompt_tokens = usage.get("completion_tokens", 0), usage.get("prompt_tokens")
+    r.ok = r.output_tokens > 0
+    return r
+
+
 # -- one rate ------------------------------------------------------------------------------------
 
 def pcts(xs, scale: float = 1e3) -> dict:
@@ -221,10 +248,35 @@ def summarize(rate: float, results: list[Result], duration_s: float, args) -> di
     }
 
 
+def engine_counters(url: str) -> dict | None:
+    """pagedlab's engine step counters from /metrics (None from another server)."""
+    import httpx
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    vals = {}
+    for name in ("steps", "step_seconds", "step_sequences"):
+        for line in text.splitlines():
+            if line.startswith(f"pagedlab_engine_{name} "):
+                vals[name] = float(line.split()[1])
+    return vals if len(vals) == 3 else None
+
+
+def engine_step(before: dict | None, after: dict | None) -> dict:
+    """The engine's mean step time and batch over a run, from its counters (pagedlab only)."""
+    if not before or not after or after["steps"] <= before["steps"]:
+        return {"engine_step_ms": None, "engine_batch": None}
+    n = after["steps"] - before["steps"]
+    return {"engine_step_ms": 1e3 * (after["step_seconds"] - before["step_seconds"]) / n,
+            "engine_batch": (after["step_sequences"] - before["step_sequences"]) / n}
+
+
 async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> dict:
     """Send every job at its Poisson arrival time, all streams concurrently; wait for all."""
     import httpx
     from tqdm.auto import tqdm
+    counters = engine_counters(url)
     times = arrival_times(len(jobs), rate, args.seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
@@ -235,13 +287,13 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> 
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send(client, url, model, job, args.ignore_eos))
+            task = asyncio.create_task(send(client, url, model, job, args.ignore_eos, not args.no_stream))
             task.add_done_callback(lambda _t: bar.update(1))
             tasks.append(task)
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     bar.close()
-    return summarize(rate, results, duration, args)
+    return summarize(rate, results, duration, args) | engine_step(counters, engine_counters(url))
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -325,6 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
     p.add_argument("--out", default="figures", help="where serve_bench.json / .png go")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-stream", action="store_true", help="whole answers (stream: false) instead of SSE")
+    p.add_argument("--serve", default=None, metavar="ARGS",
+                   help="start `python -m pagedlab serve ARGS` here first (on a free port; --url is "
+                        "then ignored) and stop it at the end, e.g. \"--model random:llama-3.2-1b --slots 256\"")
+    p.add_argument("--offline", action="store_true",
+                   help="with --serve: then run the same requests through LLM.generate (same ARGS) "
+                        "and print served / offline tokens/s")
     return p
 
 
@@ -370,23 +429,40 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     rates = check(args)
-    url = args.url.rstrip("/")
-    model, models = server_model(url, args.model)
-    jobs = make_workload(args)
-    meta = metadata(argv, url, models)
+    if args.offline and not args.serve:
+        bad("--offline needs --serve ARGS (the engine to run the same requests through)")
+    server = start_server(args.serve) if args.serve else None
+    try:
+        url = server.url if server else args.url.rstrip("/")
+        model, models = server_model(url, args.model)
+        jobs = make_workload(args)
+        meta = metadata(argv, url, models)
 
-    async def everything():
-        if args.warmup:
-            await asyncio.gather(*(send_one(url, model, j, args) for j in jobs[:args.warmup]))
-        return [await run_rate(url, model, jobs, r, args) for r in rates]
-    results = asyncio.run(everything())
+        async def everything():
+            if args.warmup:
+                await asyncio.gather(*(send_one(url, model, j, args) for j in jobs[:args.warmup]))
+            return [await run_rate(url, model, jobs, r, args) for r in rates]
+        results = asyncio.run(everything())
+    finally:
+        if server:
+            server.stop()
+    offline = None
+    if args.offline:
+        offline = run_offline(args.serve, jobs, args)
+        for r in results:
+            r["served_over_offline"] = r["output_throughput"] / offline["output_throughput"]
     out = out_dir(args.out)
     config = {k: v for k, v in vars(args).items()} | {"model": model, "rates": [str(r) for r in rates]}
-    path = write_json(out / "serve_bench.json", {"metadata": meta, "config": config, "results": results})
+    path = write_json(out / "serve_bench.json", {"metadata": meta, "config": config, "results": results,
+                                                 "offline": offline})
     title = f"{model} at {url} -- {meta['date']}, {args.num_prompts} requests per rate, " \
             f"SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
     plot(results, out / "serve_bench.png", title)
     print(table(results))
+    if offline:
+        print(f"offline (LLM.generate, the same {len(jobs)} requests at once): "
+              f"{offline['output_throughput']:.1f} tok/s, TTFT p99 {offline['ttft_ms']['p99']:.1f} ms; "
+              + ", ".join(f"rate {r['rate']}: served/offline {r['served_over_offline']:.2f}" for r in results))
     print(f"wrote {path} and {out / 'serve_bench.png'}")
     return 0
 
@@ -394,21 +470,113 @@ def main(argv=None) -> int:
 async def send_one(url, model, job, args) -> Result:
     import httpx
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s)) as client:
-        return await send(client, url, model, job, args.ignore_eos)
+        return await send(client, url, model, job, args.ignore_eos, not args.no_stream)
 
 
 def table(results: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.1f}"
     rows = [f"{'rate':>6} {'done':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} "
-            f"{'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'goodput':>8}"]
+            f"{'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'goodput':>8} {'step ms':>8} {'batch':>6}"]
     for r in results:
         rows.append(f"{r['rate']!s:>6} {r['completed']:>3}/{r['requested']:<2} {r['request_throughput']:7.2f} "
                     f"{r['output_throughput']:8.1f} {f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} "
                     f"{f(r['tpot_ms']['p50']):>9} {f(r['tpot_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
-                    f"{r['goodput']:8.2f}")
-    return "\n".join(rows) + "\n(latencies in ms; goodput: requests/s within the SLO)"
+                    f"{r['goodput']:8.2f} {f(r.get('engine_step_ms')):>8} {f(r.get('engine_batch')):>6}")
+    return "\n".join(rows) + ("\n(latencies in ms; goodput: requests/s within the SLO; step ms / batch: the "
+                              "engine's mean step and decode batch during the run, from /metrics)")
+
+
+# -- the server and the offline run, in this command ----------------------------------------------
+
+class StartedServer:
+    """`python -m pagedlab serve ARGS` as a child process, on a free port."""
+
+    def __init__(self, serve_args: str):
+        import shlex
+        import socket
+        import subprocess
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "pagedlab", "serve", *shlex.split(serve_args), "--port", str(port),
+               "--log-level", "warning"]
+        print("+", " ".join(cmd), file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(cmd)
+
+    def wait(self, timeout_s: float = 1800.0) -> "StartedServer":
+        import httpx
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                bad(f"the server exited with status {self.proc.returncode} before it answered")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        bad(f"the server did not answer /health within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_server(serve_args: str) -> StartedServer:
+    return StartedServer(serve_args).wait()
+
+
+def run_offline(serve_args: str, jobs: list[Job], args) -> dict:
+    """The same requests through LLM.generate, all at once, in a fresh process built from the
+    serve ARGS: output tokens/s and TTFT percentiles (each request's, from the engine's clock)."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "jobs.json"
+        spec.write_text(json.dumps({"serve_args": serve_args, "ignore_eos": args.ignore_eos,
+                                    "warmup": args.warmup,
+                                    "jobs": [[j.prompt, j.output_len] for j in jobs]}))
+        subprocess.run([sys.executable, "-m", "pagedlab.bench.serve", "--offline-worker", str(spec)], check=True)
+        return json.loads((Path(tmp) / "offline.json").read_text())
+
+
+def offline_worker(spec_path: str) -> int:
+    import shlex
+    from pagedlab.__main__ import build_parser as cli_parser
+    from pagedlab.llm import LLM
+    from pagedlab.sampling import SamplingParams
+    spec = json.loads(Path(spec_path).read_text())
+    a = cli_parser().parse_args(["serve", *shlex.split(spec["serve_args"])])
+    kw = {"max_model_len": a.max_model_len} if a.max_model_len else {}
+    llm = LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.slots, attention_backend=a.backend,
+              prefix_caching=a.prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
+              data_parallel_size=a.data_parallel_size, **kw)
+    prompts = [p for p, _ in spec["jobs"]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec["ignore_eos"]) for _, n in spec["jobs"]]
+    if spec["warmup"]:
+        llm.generate(prompts[:spec["warmup"]], params[:spec["warmup"]])
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    result = {"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
+              "ttft_ms": pcts(o.ttft_s for o in outs)}
+    (Path(spec_path).parent / "offline.json").write_text(json.dumps(result))
+    llm.close()
+    return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--offline-worker"]:
+        sys.exit(offline_worker(sys.argv[2]))
     sys.exit(main())

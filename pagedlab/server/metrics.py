@@ -44,7 +44,11 @@ class ServerMetrics:
                 ("pagedlab_requests_running", "running", "requests in a slot (prefilling or decoding)"),
                 ("pagedlab_requests_waiting", "waiting", "requests in the engine's queue (new and preempted)"),
                 ("pagedlab_kv_blocks_used", "kv_used", "KV cache blocks in use"),
-                ("pagedlab_kv_blocks_total", "kv_total", "KV cache blocks in the pool")):
+                ("pagedlab_kv_blocks_total", "kv_total", "KV cache blocks in the pool"),
+                ("pagedlab_engine_steps", "steps", "engine steps since start (all cores)"),
+                ("pagedlab_engine_step_seconds", "step_seconds", "seconds the cores spent in steps since start"),
+                ("pagedlab_engine_step_sequences", "step_sequences",
+                 "sequences that got a token, summed over steps (/ steps: the mean decode batch)")):
             Gauge(name, doc, registry=reg).set_function(lambda key=key: stats().get(key, 0))
         if "prefix_queries" in stats():          # only an allocator with a prefix cache has them
             for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
