@@ -337,76 +337,330 @@ def _step_legend(fig, s, ax):
 
 
 # ----------------------------------------------------------------------------- one step
+STEP_FONT = 10.5     # the step picture's text, in points: readable at JupyterLab's notebook width
+# (a frame is ~12 in wide at EXPLORER_DPI = 80, about the width of JupyterLab's notebook column,
+# so a point is about a pixel: 7-8 pt text was ~6 px on screen)
+
+
+def _rgb_table():
+    """The palette as an array: row k is request_color(k) for k < NUM_COLORS, then FREE, IDLE,
+    SHARED, MISSING at -1, -2, -3, -4 (numpy indexing from the end)."""
+    import matplotlib.colors as mc
+    import numpy as np
+    return np.array([mc.to_rgb(c) for c in _PALETTE] + [mc.to_rgb(c) for c in (MISSING, SHARED, IDLE, FREE)])
+
+
+def _why_waiting(trace, i) -> str:
+    """One line on why a slot is free while requests wait at step i ('' when none is)."""
+    s = trace.steps[i]
+    free_slots = [y for y, rid in enumerate(s.slot_request) if rid is None]
+    if not free_slots or not s.queue:
+        return ""
+    front = s.queue[0]
+    where = f"slot {free_slots[0]} is free while {len(s.queue)} wait"
+    if front in s.preempted:
+        return (f"{where}: {req_name(front)} was just preempted (the pool ran out); it goes back to the "
+                "front of the queue and restarts when its blocks fit")
+    nxt = trace.steps[i + 1] if i + 1 < len(trace) else None
+    if nxt is not None and front in nxt.slot_request:
+        return (f"{where}: it was freed during this step; {req_name(front)} takes it when the next step "
+                "is scheduled")
+    free_blocks = s.pool_total - s.pool_used
+    return (f"{where}: {req_name(front)} (front of the queue) needs more blocks for its prompt than the "
+            f"{free_blocks} free, so it waits for a running request to finish")
+
+
+class _StepPainter:
+    """draw_step's picture, built once for a trace and then updated in place for any step: the
+    timeline is drawn once (only its cursor moves), the block table and the pool are images, and
+    every label is an artist made once whose text and colour change. The explorer paints all its
+    frames with one painter, so a frame costs its rendering, not building a figure."""
+
+    QUEUE_SHOWN = 6
+    POOL_COLS = 2048        # a larger pool is drawn as this many columns (any used block stays visible)
+
+    def __init__(self, trace, fig=None, show_time: bool = True):
+        import numpy as np
+        from matplotlib.lines import Line2D
+        self.trace, self.show_time = trace, show_time
+        self.fig = fig if fig is not None else plt.figure(figsize=(12, 7.2))
+        self.fig.clear()
+        self.rgb = _rgb_table()
+        steps = trace.steps
+        n_slots = self.n_slots = trace.num_slots
+        self.pool_total = max([s.pool_total for s in steps] + [1])
+        gs = self.fig.add_gridspec(4, 4, height_ratios=[1.2, 1.25, 1.3, 0.16],
+                                   width_ratios=[1.25, 0.9, 1.5, 0.5], hspace=0.95, wspace=0.6)
+        f = STEP_FONT
+        # timeline: drawn once, a cursor line moves
+        self.ax_tl = self.fig.add_subplot(gs[0, :3])
+        draw_timeline(trace, ax=self.ax_tl, legend=False, title="")
+        self.ax_tl.tick_params(labelsize=f - 1)
+        self.ax_tl.xaxis.label.set_size(f - 0.5)
+        self.cursor = self.ax_tl.axvline(0.5, color="black", linewidth=1.8)
+        self.dynamic = [self.cursor]        # what paint() changes, in drawing order (see frames())
+        # legend
+        self.ax_leg = self.fig.add_subplot(gs[:3, 3])
+        self.ax_leg.axis("off")
+        self._legend_key = None
+        # slots: a square and a label per slot
+        ax = self.ax_sl = self.fig.add_subplot(gs[1, 0])
+        self.slot_box, self.slot_num, self.slot_label = [], [], []
+        for y in range(n_slots):
+            self.slot_box.append(ax.add_patch(Rectangle((0, y), 0.9, 0.9, facecolor=IDLE, edgecolor="grey")))
+            self.slot_num.append(ax.text(0.45, y + 0.45, "", ha="center", va="center", fontsize=f - 1,
+                                         fontweight="bold"))
+            self.slot_label.append(ax.text(1.15, y + 0.45, "", va="center", fontsize=f - 1))
+        self.dynamic += self.slot_box + self.slot_num + self.slot_label
+        ax.set_xlim(0, 6)
+        ax.set_ylim(max(n_slots, 1), 0)
+        ax.axis("off")
+        ax.set_title("slots", fontsize=f + 0.5, loc="left")
+        # queue: QUEUE_SHOWN squares, the front one first
+        ax = self.ax_q = self.fig.add_subplot(gs[1, 1])
+        self.q_box, self.q_num = [], []
+        for x in range(self.QUEUE_SHOWN):
+            self.q_box.append(ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=FREE, edgecolor="grey")))
+            self.q_num.append(ax.text(x + 0.45, 0.45, "", ha="center", va="center", fontsize=f - 2,
+                                      fontweight="bold"))
+        self.q_pre = ax.scatter([], [], marker="X", s=55, color=PREEMPT, edgecolor="white", zorder=5,
+                                clip_on=False)
+        self.q_note = ax.text(0, 1.25, "", va="top", fontsize=f - 1, clip_on=False)
+        self.dynamic += self.q_box + self.q_num + [self.q_pre, self.q_note]
+        ax.set_xlim(0, self.QUEUE_SHOWN)
+        ax.set_ylim(1, 0)
+        ax.set_aspect("equal", anchor="NW")
+        ax.axis("off")
+        # block table: an image, a number per cell
+        self.cols = max([len(r) for st in steps for r in st.block_table] + [4])
+        ax = self.ax_bt = self.fig.add_subplot(gs[1:3, 2])
+        self.bt_img = ax.imshow(np.ones((max(n_slots, 1), self.cols, 3)), aspect="auto", interpolation="nearest",
+                                extent=(0, self.cols, max(n_slots, 1), 0))
+        self.dynamic.append(self.bt_img)
+        self.dynamic += [ax.axvline(x, color="white", linewidth=1.2) for x in range(self.cols + 1)]
+        self.dynamic += [ax.axhline(y, color="white", linewidth=1.2) for y in range(n_slots + 1)]
+        fs = f - 1.5 if self.cols <= 10 else f - 3 if self.cols <= 20 else 0
+        self.bt_text = [[ax.text(x + 0.5, y + 0.5, "", ha="center", va="center", fontsize=fs, linespacing=0.9)
+                         for x in range(self.cols)] for y in range(n_slots)] if fs else None
+        if self.bt_text is not None:
+            self.dynamic += [t for row in self.bt_text for t in row]
+        self.dynamic += list(ax.spines.values())      # the frame over the image, as in a full drawing
+        ax.set_yticks([y + 0.5 for y in range(n_slots)], [f"slot {y}" for y in range(n_slots)], fontsize=f - 1)
+        tick = max(1, self.cols // 12)
+        ax.set_xticks([x + 0.5 for x in range(0, self.cols, tick)], [str(x) for x in range(0, self.cols, tick)],
+                      fontsize=f - 1.5)
+        ax.set_xlabel("logical block (token index // block_size)", fontsize=f - 1)
+        # pool: an image; a small pool is a grid with its row's first block id on the left
+        ax = self.ax_pool = self.fig.add_subplot(gs[2, :2])
+        n = self.pool_total
+        if n <= SMALL_POOL:
+            self.pool_cols = 16 if n > 48 else 8
+            self.pool_rows = -(-n // self.pool_cols)
+            self.pool_img = ax.imshow(np.ones((self.pool_rows, self.pool_cols, 3)), interpolation="nearest",
+                                      extent=(0, self.pool_cols, self.pool_rows, 0))
+            self.dynamic.append(self.pool_img)
+            self.dynamic += [ax.axvline(x, color="#bbbbbb", linewidth=0.6) for x in range(self.pool_cols + 1)]
+            self.dynamic += [ax.axhline(y, color="#bbbbbb", linewidth=0.6) for y in range(self.pool_rows + 1)]
+            self.pool_text = [ax.text(b % self.pool_cols + 0.5, b // self.pool_cols + 0.5, "", ha="center",
+                                      va="center", fontsize=f - 2.5) for b in range(n)]
+            self.dynamic += self.pool_text
+            ax.set_yticks([y + 0.5 for y in range(self.pool_rows)],
+                          [str(y * self.pool_cols) for y in range(self.pool_rows)], fontsize=f - 2)
+            ax.set_xticks([x + 0.5 for x in range(0, self.pool_cols, 4)],
+                          [f"+{x}" for x in range(0, self.pool_cols, 4)], fontsize=f - 2)
+            ax.tick_params(length=0)
+            ax.set_ylabel("block id", fontsize=f - 2)
+        else:
+            self.pool_cols = min(n, self.POOL_COLS)
+            self.pool_img = ax.imshow(np.ones((1, self.pool_cols, 3)), aspect="auto", interpolation="nearest",
+                                      extent=(0, n, 1, 0))
+            self.pool_text = None
+            self.dynamic.append(self.pool_img)
+            ax.set_yticks([])
+            ax.set_xlabel("physical block id" + (f" ({-(-n // self.pool_cols)} blocks a column)"
+                                                 if n > self.pool_cols else ""), fontsize=f - 1)
+            ax.tick_params(axis="x", labelsize=f - 1.5)
+        self.dynamic += list(ax.spines.values())
+        # why a slot waits: one line under everything
+        self.ax_why = self.fig.add_subplot(gs[3, :])
+        self.ax_why.axis("off")
+        self.why = self.ax_why.text(0, 0.5, "", fontsize=f, va="center", color="#8a5a00")
+        self.dynamic += [self.why] + [a._left_title for a in (self.ax_tl, self.ax_q, self.ax_bt, self.ax_pool)]   # set_title(loc="left")
+        self._legend_handles_const = [
+            Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="grey", hatch="///", label="prefill"),
+            Rectangle((0, 0), 1, 1, facecolor=FREE, edgecolor="#bbbbbb", label="free block"),
+            Rectangle((0, 0), 1, 1, facecolor=MISSING, edgecolor="white", hatch="////", label="past the pool"),
+            Line2D([], [], marker="X", color="white", markerfacecolor=PREEMPT, markersize=10, label="preempted")]
+
+    def _colors(self, owners, shared):
+        """RGB rows for a sequence of owners (request id, None = free, -4 = past the pool)."""
+        import numpy as np
+        idx = np.array([-1 if o is None else -4 if o == -4 else o % NUM_COLORS for o in owners], dtype=np.int64)
+        for k, b in shared:
+            idx[k] = -3
+        return self.rgb[idx]
+
+    def paint(self, i: int):
+        import numpy as np
+        trace, s, f = self.trace, self.trace.steps[i], STEP_FONT
+        when = f"t = {s.start_s * 1e3:.1f} ms, " if self.show_time else ""
+        self.ax_tl.set_title(f"step {s.step} of {trace[-1].step}   ({when}{s.num_tokens} tokens through the model)",
+                             fontsize=f + 0.5, loc="left")
+        self.cursor.set_xdata([i + 0.5, i + 0.5])
+        # legend: rebuilt only when the requests in view change
+        seen = []
+        for rid in list(s.slot_request) + list(s.queue):
+            if rid is not None and rid not in seen:
+                seen.append(rid)
+        key = (tuple(seen[:16]), len(seen), bool(s.block_refs))
+        if key != self._legend_key:
+            from matplotlib.patches import Patch
+            handles = [Patch(facecolor=request_color(r), label=req_name(r)) for r in seen[:16]]
+            if len(seen) > 16:
+                handles.append(Patch(facecolor="white", edgecolor="white", label=f"+{len(seen) - 16} more"))
+            handles += self._legend_handles_const[:3]
+            if s.block_refs:
+                handles.append(Patch(facecolor=SHARED, edgecolor="#7a5c00", label="shared block"))
+            handles.append(self._legend_handles_const[3])
+            self.legend = self.ax_leg.legend(handles=handles, loc="upper left", fontsize=f - 1, frameon=False,
+                                             title="legend", title_fontsize=f, alignment="left", handlelength=1.5)
+            self._legend_key = key
+        # slots
+        for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
+            color = request_color(rid) if rid is not None else IDLE
+            self.slot_box[y].set_facecolor(color)
+            self.slot_box[y].set_hatch("///" if ph == "prefill" else None)
+            self.slot_num[y].set_text("" if rid is None else str(rid))
+            self.slot_num[y].set_color(_ink(color))
+            label = "free" if rid is None else f"{req_name(rid)}: {ph}"
+            cached = s.cached_tokens[y] if y < len(s.cached_tokens) else 0
+            if rid is not None and cached:
+                label += f", {cached} cached"
+            if rid in s.emitted:
+                label += f" -> {s.emitted[rid]}"
+            if rid in s.finished:
+                label += "  [stop]"
+            self.slot_label[y].set_text(label)
+        # queue
+        q = s.queue[:self.QUEUE_SHOWN]
+        for x in range(self.QUEUE_SHOWN):
+            rid = q[x] if x < len(q) else None
+            self.q_box[x].set_visible(rid is not None)
+            self.q_num[x].set_text("" if rid is None else str(rid))
+            if rid is not None:
+                self.q_box[x].set_facecolor(request_color(rid))
+                self.q_num[x].set_color(_ink(request_color(rid)))
+                self.q_num[x].set_fontsize(f - 2 if rid < 100 else f - 4)
+        pre = [x + 0.45 for x, rid in enumerate(q) if rid in s.preempted]
+        self.q_pre.set_offsets(np.array([[x, 0.05] for x in pre]) if pre else np.empty((0, 2)))
+        note = f"+{len(s.queue) - self.QUEUE_SHOWN} more" if len(s.queue) > self.QUEUE_SHOWN else ""
+        if s.preempted:
+            note += ("\n" if note else "") + "preempted: " + ", ".join(req_name(r) for r in s.preempted)
+        self.q_note.set_text(note)
+        self.q_note.set_color(PREEMPT if s.preempted else "black")
+        self.ax_q.set_title(f"queue: {len(s.queue)} waiting, front first", fontsize=f + 0.5, loc="left")
+        # block table
+        caching = s.prefix_queries > 0 or bool(s.block_refs)
+        owners, shared = [], []
+        for y in range(self.n_slots):
+            row = s.block_table[y] if y < len(s.block_table) else []
+            rid = s.slot_request[y] if y < len(s.slot_request) else None
+            for x in range(self.cols):
+                b = row[x] if x < len(row) else None
+                owners.append(None if b is None else rid)
+                if b is not None and b in s.block_refs:
+                    shared.append((len(owners) - 1, b))
+                if self.bt_text is not None:
+                    t = self.bt_text[y][x]
+                    t.set_text("" if b is None else f"{b}\n×{s.block_refs[b]}" if b in s.block_refs else str(b))
+                    if b is not None:
+                        t.set_color("black" if b in s.block_refs else _ink(request_color(rid)))
+        self.bt_img.set_data(self._colors(owners, shared).reshape(self.n_slots, self.cols, 3))
+        self.ax_bt.set_title("block table (physical block ids)" + (
+            f"\nprefix cache: hit rate {s.hit_rate:.0%} ({s.prefix_hits}/{s.prefix_queries} tokens); "
+            "gold = shared by several requests" if caching else ""), fontsize=f + 0.5, loc="left")
+        # pool
+        n = s.pool_total
+        if self.pool_text is not None:
+            own = pool_owners(s.block_table, s.slot_request, n)
+            cells = own + [-4] * (self.pool_rows * self.pool_cols - n)
+            img = self._colors(cells, [(b, b) for b in s.block_refs if b < n])
+            self.pool_img.set_data(img.reshape(self.pool_rows, self.pool_cols, 3))
+            for b, t in enumerate(self.pool_text):
+                rid = own[b] if b < n else None
+                t.set_text("" if rid is None else f"×{s.block_refs[b]}" if b in s.block_refs else str(rid))
+                if rid is not None:
+                    t.set_color("black" if b in s.block_refs else _ink(request_color(rid)))
+        else:
+            o = np.full(n, -1, dtype=np.int64)          # a large pool: no Python loop over its blocks
+            for row, rid in zip(s.block_table, s.slot_request):
+                row = [b for b in row if b is not None and 0 <= b < n]
+                if row and rid is not None:
+                    o[row] = rid % NUM_COLORS
+            if s.block_refs:
+                o[[b for b in s.block_refs if b < n]] = -3
+            per = -(-n // self.pool_cols)
+            o = np.concatenate([o, np.full(per * self.pool_cols - n, -1)]).reshape(self.pool_cols, per)
+            used = o != -1
+            first = np.where(used.any(1), used.argmax(1), 0)            # a used block wins its column
+            self.pool_img.set_data(self.rgb[o[np.arange(self.pool_cols), first]][None])
+        self.ax_pool.set_title(f"KV pool: {s.pool_used}/{n} blocks used"
+                               + (f", {len(s.block_refs)} shared, {s.pool_cached} cached" if caching else "")
+                               + ("  (cell: owner)" if self.pool_text is not None else ""),
+                               fontsize=f + 0.5, loc="left")
+        import textwrap
+        self.why.set_text(textwrap.fill(_why_waiting(trace, i), 120))
+        return self.fig
+
+
+    def frames(self, indices, box, dpi: int = 80, colors: int | None = 256):
+        """PNG bytes of the step picture at each index, cropped to `box` (a Bbox in inches), by
+        blitting: everything paint() leaves alone (axes, ticks, the timeline) is rendered once, and
+        each frame restores that background and draws only what paint() changed."""
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.transforms import Bbox
+        from PIL import Image
+        fig = self.fig
+        canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
+        fig.set_dpi(dpi)
+        self.paint(indices[0])
+        for a in self.dynamic:
+            a.set_animated(True)
+        self.legend.set_animated(True)
+        canvas.draw()                                   # the background: animated artists left out
+        background = canvas.copy_from_bbox(fig.bbox)
+        h = int(round(fig.bbox.height))
+        crop = (int(box.x0 * dpi), h - int(np.ceil(box.y1 * dpi)), int(np.ceil(box.x1 * dpi)), h - int(box.y0 * dpi))
+        crop = (max(0, crop[0]), max(0, crop[1]), min(int(fig.bbox.width), crop[2]), min(h, crop[3]))
+        legends = {}                                    # the legend's pixels, per set of requests in view
+        for i in indices:
+            self.paint(i)
+            canvas.restore_region(background)
+            if self._legend_key in legends:             # the legend first: its box may reach below
+                canvas.restore_region(legends[self._legend_key])
+            else:
+                self.legend.set_animated(True)
+                fig.draw_artist(self.legend)
+                legends[self._legend_key] = canvas.copy_from_bbox(
+                    Bbox.union([self.ax_leg.bbox, self.legend.get_window_extent(canvas.get_renderer())]))
+            for a in self.dynamic:
+                if a.get_visible():
+                    fig.draw_artist(a)
+            img = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3]).crop(crop)
+            if colors is not None:
+                img = img.quantize(colors=colors, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
+            out = io.BytesIO()
+            img.save(out, format="PNG")
+            yield out.getvalue()
+
+
 def draw_step(trace, i: int, fig=None, max_pool: int | None = None, show_time: bool = True):
     """Everything at engine step i: the timeline with a cursor (preemptions marked), the slots
-    (request, phase), the queue, the block table, the pool and a legend -- one figure. Every
-    request is called "req N" and has one colour in every panel. (max_pool: kept for old callers;
-    the pool panel now fits any pool size.)"""
-    s = trace.steps[i]
-    if fig is None:
-        fig = plt.figure(figsize=(13.5, 6.4))
-    else:
-        fig.clear()
-    gs = fig.add_gridspec(3, 4, height_ratios=[1.1, 1.2, 1.3], width_ratios=[1.2, 1, 1.6, 0.55],
-                          hspace=0.75, wspace=0.6)
-    when = f"t = {s.start_s * 1e3:.1f} ms, " if show_time else ""
-    draw_timeline(trace, ax=fig.add_subplot(gs[0, :3]), cursor=i, legend=False,
-                  title=f"step {s.step} of {trace[-1].step}   ({when}{s.num_tokens} tokens through the model)")
-    _step_legend(fig, s, fig.add_subplot(gs[:, 3]))
-    # slots
-    ax = fig.add_subplot(gs[1, 0])
-    for y, (rid, ph) in enumerate(zip(s.slot_request, s.slot_phase)):
-        ax.add_patch(Rectangle((0, y), 1, 0.9, facecolor=request_color(rid) if rid is not None else IDLE,
-                               edgecolor="grey", hatch="///" if ph == "prefill" else None))
-        if rid is not None:
-            ax.text(0.5, y + 0.45, str(rid), ha="center", va="center", fontsize=8,
-                    color=_ink(request_color(rid)), fontweight="bold")
-        label = "free" if rid is None else f"{req_name(rid)}: {ph}"
-        cached = s.cached_tokens[y] if y < len(s.cached_tokens) else 0
-        if rid is not None and cached:
-            label += f", {cached} cached"
-        if rid in s.emitted:
-            label += f" -> {s.emitted[rid]}"
-        if rid in s.finished:
-            label += "  [stop]"
-        ax.text(1.1, y + 0.45, label, va="center", fontsize=8)
-    ax.set_xlim(0, 4)
-    ax.set_ylim(len(s.slot_request), 0)
-    ax.axis("off")
-    ax.set_title("slots", fontsize=10, loc="left")
-    # queue
-    ax = fig.add_subplot(gs[1, 1])
-    q = s.queue[:12]
-    for x, rid in enumerate(q):
-        ax.add_patch(Rectangle((x, 0), 0.9, 0.9, facecolor=request_color(rid), edgecolor="grey"))
-        ax.text(x + 0.45, 0.45, str(rid), ha="center", va="center", fontsize=7 if rid < 10 else 5.5,
-                color=_ink(request_color(rid)), fontweight="bold")
-        if rid in s.preempted:
-            ax.scatter([x + 0.45], [0.05], marker="X", s=45, color=PREEMPT, edgecolor="white",
-                       zorder=5, clip_on=False)
-    ax.set_xlim(0, 12)
-    ax.set_ylim(1, 0)
-    ax.set_aspect("equal")
-    ax.axis("off")
-    extra = f" (+{len(s.queue) - 12} more)" if len(s.queue) > 12 else ""
-    pre = ("\npreempted this step: " + ", ".join(req_name(r) for r in s.preempted)) if s.preempted else ""
-    ax.set_title(f"queue: {len(s.queue)} waiting, front first{extra}{pre}", fontsize=10, loc="left")
-    # block table
-    cols = max([len(r) for st in trace.steps for r in st.block_table] + [4])
-    caching = s.prefix_queries > 0 or s.block_refs
-    draw_block_table(s.block_table, s.slot_request, ax=fig.add_subplot(gs[1:, 2]), num_cols=cols,
-                     block_refs=s.block_refs,
-                     title="block table (physical block ids)" + (
-                         f"\nprefix cache: hit rate {s.hit_rate:.0%} ({s.prefix_hits}/{s.prefix_queries} "
-                         f"tokens); gold = shared by several requests" if caching else ""))
-    # pool
-    ax = fig.add_subplot(gs[2, :2])
-    owners = pool_owners(s.block_table, s.slot_request, s.pool_total)
-    draw_pool(owners, ax=ax, ncols=min(32, max(8, -(-len(owners) // 4))), shared=s.block_refs,
-              title=f"KV pool: {s.pool_used}/{s.pool_total} blocks used"
-                    + (f", {len(s.block_refs)} shared, {s.pool_cached} cached" if caching else "")
-                    + ("  (cell: block id / owner)" if len(owners) <= SMALL_POOL else ""))
-    return fig
+    (request, phase), the queue, the block table, the pool, a legend and, when a slot is free
+    while requests wait, a line saying why -- one figure. Every request is called "req N" and has
+    one colour in every panel. (max_pool: kept for old callers; the pool panel fits any pool size.)"""
+    return _StepPainter(trace, fig, show_time).paint(i)
 
 
 def fig_to_png(fig, dpi: int = 80, bbox_inches="tight", colors: int | None = None) -> bytes:
@@ -445,10 +699,16 @@ EXPLORER_MAX_FRAMES = 100     # frames one explorer renders at most (~25 KB of H
 EXPLORER_DPI = 80
 
 
-def explorer_frames(n: int, max_frames: int | None = EXPLORER_MAX_FRAMES, keep: int | None = None) -> list[int]:
+EXPLORER_MAX_EVENT_FRAMES = 400   # event steps (preemption, finish) rendered at most, beyond max_frames
+
+
+def explorer_frames(n: int, max_frames: int | None = EXPLORER_MAX_FRAMES, keep: int | None = None,
+                    events=()) -> list[int]:
     """Which of n steps (indices 0..n-1) the explorer renders: all of them when n <= max_frames,
     else max_frames evenly spaced ones -- always the first and the last, and `keep` (the start
-    step) in place of the sampled index nearest to it."""
+    step) in place of the sampled index nearest to it -- plus every index in `events` (the steps
+    where a request is preempted or finishes: never skipped; at most EXPLORER_MAX_EVENT_FRAMES of
+    them, evenly spaced, so that any trace renders in bounded time)."""
     if n <= 0:
         return []
     if max_frames is None or n <= max_frames:
@@ -462,7 +722,15 @@ def explorer_frames(n: int, max_frames: int | None = EXPLORER_MAX_FRAMES, keep: 
             j = min(inner, key=lambda j: abs(picked[j] - keep))
             picked[j] = keep
             picked.sort()
-    return picked
+    ev = sorted({e for e in events if 0 <= e < n})
+    if len(ev) > EXPLORER_MAX_EVENT_FRAMES:
+        ev = [ev[round(k * (len(ev) - 1) / (EXPLORER_MAX_EVENT_FRAMES - 1))] for k in range(EXPLORER_MAX_EVENT_FRAMES)]
+    return sorted(set(picked) | set(ev))
+
+
+def event_steps(trace) -> list[int]:
+    """Indices of the steps where a request is preempted or finishes."""
+    return [i for i, s in enumerate(trace.steps) if s.preempted or s.finished]
 
 
 class TraceExplorer:
@@ -576,25 +844,27 @@ def explorer_html(trace, start: int = 0, interval_ms: int = 400, max_frames: int
     if not n:
         raise ValueError("the trace is empty: run the engine with trace=True first")
     start = max(0, min(int(start), n - 1))
-    indices = explorer_frames(n, max_frames, keep=start)
+    indices = explorer_frames(n, max_frames, keep=start, events=event_steps(trace))
     first_shown = min(range(len(indices)), key=lambda k: abs(indices[k] - start))
     steps = trace.steps
     # one figure, redrawn for every frame, cropped to one box (the union of the first and the
     # last frame's drawn area): every frame has the same size, so the picture does not jump
-    fig = Figure(figsize=(13.5, 6.4))
+    fig = Figure(figsize=(12, 7.2))
     canvas = FigureCanvasAgg(fig)
+    painter = _StepPainter(trace, fig)
     boxes = []
     for i in {indices[0], indices[-1]}:
-        draw_step(trace, i, fig=fig)
+        painter.paint(i)
         canvas.draw()
         boxes.append(fig.get_tightbbox(canvas.get_renderer()))
+    # ... and the line under the picture, whatever its length at other steps
+    boxes.append(painter.ax_why.get_position().transformed(fig.transFigure).transformed(fig.dpi_scale_trans.inverted()))
     box = Bbox.union(boxes).padded(0.1)
     uid = "pagedlab-explorer-" + uuid.uuid4().hex[:12]
     imgs = []
-    for k, i in enumerate(tqdm(indices, desc="explorer frames", unit="frame", leave=False,
-                               disable=not progress)):
-        draw_step(trace, i, fig=fig)
-        png = base64.b64encode(fig_to_png(fig, dpi=dpi, bbox_inches=box, colors=256)).decode()
+    bar = tqdm(indices, desc="explorer frames", unit="frame", leave=False, disable=not progress)
+    for k, (i, frame) in enumerate(zip(bar, painter.frames(indices, box, dpi=dpi))):
+        png = base64.b64encode(frame).decode()
         imgs.append(f'<img class="pl-frame" data-step="{steps[i].step}" data-index="{i}" alt="engine step '
                     f'{steps[i].step}" style="display:{"block" if k == first_shown else "none"};max-width:100%;'
                     f'height:auto" src="data:image/png;base64,{png}">')
@@ -603,9 +873,14 @@ def explorer_html(trace, start: int = 0, interval_ms: int = 400, max_frames: int
     note = ""
     if len(indices) < n:
         gap = (n - 1) / max(1, len(indices) - 1)
-        note = (f"Frames skipped: {len(indices)} of the trace's {n} steps are shown, one in every {gap:.1f} "
-                f"(evenly spaced; the first, the last and step {steps[start].step} always), and the label "
-                f"names each frame's engine step. explore_trace(trace, max_frames=None) renders every step.")
+        kept = set(indices)
+        missed = sum(1 for e in event_steps(trace) if e not in kept)
+        note = (f"Frames skipped: {len(indices)} of the trace's {n} steps are shown, about one in every "
+                f"{gap:.1f} (evenly spaced; the first, the last and step {steps[start].step} always, and "
+                + ("every step where a request is preempted or finishes" if not missed else
+                   f"{missed} of the steps where a request is preempted or finishes are skipped too: there are "
+                   "too many to draw") + "); the label names each frame's engine step. "
+                "explore_trace(trace, max_frames=None) renders every step.")
     s0 = steps[indices[first_shown]].step
     button = ('<button type="button" data-act="{0}" class="pl-{0}" title="{1}" style="padding:1px 8px;'
               'cursor:pointer">{2}</button>')

@@ -244,11 +244,69 @@ def test_explorer_frame_subsampling_keeps_first_last_and_start():
 
 def test_explorer_subsampled_html(trace):
     e = viz.explore_trace(trace, start=20, max_frames=5, progress=False)
-    want = viz.explorer_frames(len(trace), 5, keep=20)
+    events = viz.event_steps(trace)
+    want = viz.explorer_frames(len(trace), 5, keep=20, events=events)
     imgs = _frames(e.html)
     assert [int(a["data-index"]) for a in imgs] == want and 20 in want
+    assert set(events) <= set(want) and len(want) < len(trace)      # no finish or preemption skipped
     assert [int(a["data-step"]) for a in imgs] == [trace[i].step for i in want] == e.steps
-    assert e.skipped and "Frames skipped: 5 of the trace's 49 steps" in e.html
+    assert e.skipped and f"Frames skipped: {len(want)} of the trace's 49 steps" in e.html
+    assert "every step where a request is preempted or finishes" in e.html
+
+
+def test_explorer_frames_keep_every_event_and_stay_bounded():
+    events = [3, 4, 5, 77, 78, 500, 9_998]
+    got = viz.explorer_frames(10_000, 10, keep=5_000, events=events)
+    assert set(events) <= set(got) and {0, 5_000, 9_999} <= set(got) and len(got) <= 10 + len(events)
+    many = list(range(0, 10_000, 3))                                 # more events than can be drawn
+    got = viz.explorer_frames(10_000, 10, events=many)
+    assert len(got) <= 10 + viz.EXPLORER_MAX_EVENT_FRAMES and got[0] == 0 and got[-1] == 9_999
+
+
+def test_explorer_frames_match_a_fresh_drawing(tight_trace):
+    """The explorer paints every frame with one figure, updated in place and blitted: each frame
+    must look like draw_step's fresh figure of that step (a stale title, label or cell would not)."""
+    import io
+
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from PIL import Image
+    t = tight_trace
+    idx = [0, next(i for i, s in enumerate(t.steps) if s.preempted), len(t) // 2, len(t) - 1]
+    fig = Figure(figsize=(12, 7.2))
+    FigureCanvasAgg(fig)
+    painter = viz._StepPainter(t, fig)
+    box = fig.bbox_inches
+    frames = [np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=int)
+              for png in painter.frames(idx, box, dpi=60, colors=None)]
+    for i, got in zip(idx, frames):
+        fresh = Figure(figsize=(12, 7.2))
+        FigureCanvasAgg(fresh)
+        viz.draw_step(t, i, fig=fresh)
+        want = np.asarray(Image.open(io.BytesIO(viz.fig_to_png(fresh, dpi=60, bbox_inches=None))).convert("RGB"),
+                          dtype=int)
+        assert got.shape == want.shape
+        differ = (np.abs(got - want).sum(-1) > 60).mean()
+        assert differ < 0.0004, (i, differ)
+    assert (np.abs(frames[0] - frames[1]).sum(-1) > 60).mean() > 0.005      # and the frames do change
+
+
+def test_why_a_slot_waits(tight_trace):
+    t = tight_trace
+    waits = [i for i, s in enumerate(t.steps) if None in s.slot_request and s.queue]
+    assert waits, "the fixture must have a free slot while requests wait"
+    for i, s in enumerate(t.steps):
+        line = viz._why_waiting(t, i)
+        assert bool(line) == (i in waits)
+        if line:
+            assert f"while {len(s.queue)} wait" in line and viz.req_name(s.queue[0]) in line
+            if s.queue[0] in s.preempted:
+                assert "preempted" in line
+            elif i + 1 < len(t) and s.queue[0] in t.steps[i + 1].slot_request:
+                assert "next step" in line
+            else:
+                assert f"{s.pool_total - s.pool_used} free" in line
 
 
 def test_explorer_ids_unique_per_call(ring):
