@@ -41,6 +41,7 @@ Limits, on purpose:
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import threading
 
@@ -84,8 +85,22 @@ def _on_sigint(signum, frame):
         raise KeyboardInterrupt
 
 
+_main_ident = threading.main_thread().ident
+
+
+def _forked() -> None:
+    """A child forked from another thread has that thread as its main thread."""
+    global _main_ident
+    _main_ident = threading.get_ident()
+    _state.__init__()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def _on_main_thread() -> bool:
-    return threading.get_ident() == threading.main_thread().ident
+    return threading.get_ident() == _main_ident
 
 
 def _install() -> None:
@@ -123,11 +138,9 @@ class _Section:
 
     def __enter__(self):
         s = _state
-        if not _on_main_thread():
+        if not (self.defer or s.deferring) or threading.get_ident() != _main_ident:
             return self                             # depth -1: a no-op section
         depth, was = s.depth, s.deferring
-        if depth == 0 and not self.defer:
-            return self                             # a hole with nothing around it: nothing to do
         if was and not self.defer and s.pending:
             s.pending = False
             _deliver()                              # entering a hole: the waiting Ctrl-C, now

@@ -9,7 +9,10 @@ request or change another request's output.
   outputs equal to the uninterrupted run;
 * a step that raises fails only the request that raises alone (finish_reason "error");
 * generate(): interrupted -> its own requests aborted, others' results handed back; a refused
-  generate() does not shift later unseeded outputs.
+  generate() does not shift later unseeded outputs;
+* bad input at the doors is an error naming the argument or the field, never a crash or a wrong
+  request: the server's body reader (lone surrogates, deep nesting), LLM.abort / generate / LLM().
+(Real SIGINTs, deferred by the bookkeeping's sections: test_interrupts.py.)
 """
 import json
 import os
