@@ -23,9 +23,10 @@ handler, and a signal recorded before the hole is delivered on the way in.
     @atomic                           # the method is one deferred section (nested: no cost
     def free(self, blocks): ...       # beyond a flag test)
 
-Cost: the outermost section swaps the handler twice (two system calls: ~1.5 us in all); nested
-sections and holes only flip flags. So the engine opens one section per step, and the decorated
-methods inside it cost nothing more.
+Cost: the outermost section swaps the handler twice (two system calls); nested sections and
+holes only flip flags. So the engine opens one section per step, and the decorated methods inside
+it cost a flag test each. Measured on a CPU: ~1.4 us per outermost section, ~0.6 us per hole,
+~0.2 us per nested decorated call -- a few microseconds per step.
 
 Limits, on purpose:
   * only the main thread: SIGINT is only ever raised there (other threads are never interrupted by
@@ -97,10 +98,6 @@ def _forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forked)
-
-
-def _on_main_thread() -> bool:
-    return threading.get_ident() == _main_ident
 
 
 def _install() -> None:
@@ -197,7 +194,3 @@ def atomic(fn):
             return fn(*args, **kwargs)
     return section
 
-
-def is_deferring() -> bool:
-    """Would a SIGINT arriving now wait (the main thread is in a deferred part)?"""
-    return _state.deferring and _on_main_thread()
