@@ -137,3 +137,57 @@ def test_notebook_stops_at_first_stub(path, monkeypatch):
     assert "not written yet" in shown and "show_solution" in shown
     assert "Traceback" not in shown and "File " not in shown, shown       # the message, not a stack
     assert all(not c.get("outputs") for c in nb.cells[first + 1:] if c.cell_type == "code")
+
+
+# -- installed, not cloned (Colab installs pagedlab with pip) ---------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.network
+def test_notebook_runs_from_an_installed_wheel(tmp_path, monkeypatch):
+    """pagedlab built as a wheel (pip's isolated build: needs a package index) and installed with
+    --target; notebook 07 copied alone to a folder outside the clone and run there with the answers:
+    its check finds the solution, the exercise solutions run, its concept figure is embedded, and
+    pagedlab comes from the install. Then the other course files a wheel must carry: every piece's
+    solution, the H200 tables of 06 and 13."""
+    import shutil
+    import subprocess
+    import sys
+    src, dist, target, outside = (tmp_path / d for d in ("src", "dist", "site", "elsewhere"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".*", "build", "dist", "*.egg-info", "__pycache__", "out", "unused"))     # links followed
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(src), "-w", str(dist)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (wheel,) = dist.glob("pagedlab-*.whl")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+                        str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    outside.mkdir()
+    path = outside / "07_paged_kv_and_the_block_table.ipynb"
+    shutil.copy(NB_DIR / path.name, path)
+
+    nb, client, budget = _client(path, monkeypatch, solutions=True)
+    monkeypatch.setenv("PYTHONPATH", str(target))                    # the install, not the clone
+    client.resources = {"metadata": {"path": str(outside)}}
+    client.execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert f"pagedlab 0.1.0 from {target / 'pagedlab'}" in _text(code[0])
+    for i in _check_cells(nb):
+        assert "\u2713" in _text(nb.cells[i]), _text(nb.cells[i])
+    fig = next(c for c in code if "course.figure(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in fig.outputs), fig.outputs
+    last = _text(code[-1])
+    assert "# Solutions to notebook 07" in last and "block size  16: paged wastes" in last, last[-800:]
+
+    probe = ("from pagedlab import checks, course_parallel, course_prefix, course_serving, kernel_costs\n"
+             "import pagedlab\n"
+             "for f in ('pieces', 'pieces_prefix', 'pieces_serving', 'pieces_parallel'):\n"
+             "    assert str(checks.pieces_path(f + '.py')).startswith(pagedlab.__path__[0]), f\n"
+             "checks.show_solution('make_room'); course_prefix.show_solution('block_keys')\n"
+             "assert kernel_costs.load_h200_bench()['meta'] and course_parallel.load_parallel_bench()\n"
+             "print('ok', pagedlab.__file__)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDLAB_SOLUTIONS"}
+    r = subprocess.run([sys.executable, "-c", probe], cwd=outside, capture_output=True, text=True, timeout=120,
+                       env={**env, "PYTHONPATH": str(target)})
+    assert r.returncode == 0 and f"ok {target / 'pagedlab'}" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "def make_room" in r.stdout and "def block_keys" in r.stdout
