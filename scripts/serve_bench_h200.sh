@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The serving measurements of docs/serving.md, one call on the device machine (one GPU):
-#   scripts/serve_bench_h200.sh            (results under $OUT, default ./out)
+#   scripts/serve_bench_h200.sh [process whole thread before]     (default: all; results under $OUT)
 # The workload: random Llama-3.2-1B, bf16, 256 slots, 512 requests, prompts 64-512 tokens,
 # 32-256 new tokens, ignore_eos; at 64 requests/s (Poisson) and all at once. Four servers, one after
 # the other: engine core process (streamed, plus the same requests offline through LLM.generate),
@@ -12,20 +12,23 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 export PYTHONPATH=$PWD${BASE:+:$BASE}
-SERVE="--model random:llama-3.2-1b --slots 256 --max-model-len 2048"
-W="--input-len 288 --output-len 144 --range-ratio 0.78 --ignore-eos --num-prompts 512 --warmup 16 --no-progress"
+SERVE=${SERVE:-"--model random:llama-3.2-1b --slots 256 --max-model-len 2048"}
+W=${W:-"--input-len 288 --output-len 144 --range-ratio 0.78 --ignore-eos --num-prompts 512 --warmup 16 --no-progress"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 run() { local name=$1; shift; echo "=== $name"; local t=$SECONDS
         timeout 420 python3 -m pagedlab bench serve "$@" --out "$OUT/$name"; echo "=== $name rc=$? in $((SECONDS - t)) s"
         rm -f "$OUT/$name"/*.png; }
-run process_stream --serve "$SERVE" --offline --rate 64,inf $W
-run process_whole --serve "$SERVE" --no-stream --rate inf $W
-run thread_stream --serve "$SERVE --engine-thread" --rate 64,inf $W
-if [ -d .old/pagedlab ]; then
-  PYTHONPATH=$PWD/.old${BASE:+:$BASE} python3 -m pagedlab serve $SERVE --port 8377 --log-level warning &
-  pid=$!
-  for i in $(seq 1 300); do curl -sf localhost:8377/health >/dev/null && break; sleep 1; done
-  run before_stream --url http://127.0.0.1:8377 --rate 64,inf $W
-  kill -INT $pid; wait $pid
-fi
+what=${*:-process whole thread before}
+for w in $what; do case $w in
+process) run process_stream --serve "$SERVE" --offline --rate 64,inf $W ;;
+whole)   run process_whole --serve "$SERVE" --no-stream --rate inf $W ;;
+thread)  run thread_stream --serve "$SERVE --engine-thread" --rate 64,inf $W ;;
+before)  if [ -d .old/pagedlab ]; then       # run from inside .old: `python -m` puts the cwd first
+           (cd .old && exec python3 -m pagedlab serve $SERVE --port 8377 --log-level warning) &
+           pid=$!
+           for i in $(seq 1 300); do curl -sf localhost:8377/health >/dev/null && break; sleep 1; done
+           run before_stream --url http://127.0.0.1:8377 --rate 64,inf $W
+           kill -INT $pid; wait $pid
+         fi ;;
+esac; done
