@@ -18,15 +18,23 @@ down to about the row's max / 2^15 (the smallest normal e4m3 value); below that 
 are coarser, and a value under max / 458752 (448 * 2^10) rounds to zero.
 
 A matmul with such a weight keeps the scale out of the inner loop: y[:, n] = (x . q[n, :]) *
-scale[n] -- the fp8 codes are converted to the activation dtype exactly (every e4m3 value is a
-bf16/fp16/fp32 value), multiplied and summed, and the column is scaled once at the end. That is
-`fp8_linear` here (the CPU path and the reference) and what the fused GEMV kernels
-(kernels/gemv.py) do in fp32.
+scale[n]. Two ways to compute it (`fp8_linear`):
+  * weights only in fp8 ("W8A16", the CPU path and the decode GEMV kernels of kernels/gemv.py):
+    the fp8 codes are converted to the activation dtype exactly (every e4m3 value is a bf16/fp16/
+    fp32 value), multiplied and summed, and each column is scaled once at the end;
+  * activations in fp8 too ("W8A8", on CUDA sm89+ for the steps with more than one token: prefill
+    and decode batches): each token's row of x is quantized like a weight row (one scale per
+    token, computed on the fly) and torch._scaled_mm multiplies the two fp8 matrices on the fp8
+    tensor cores, scaling rows and columns in its epilogue. Converting the weights instead costs
+    a pass over all of them every step (torch's fp8 -> bf16 conversion ran at a fraction of the
+    memory bandwidth on the H200: it made offline throughput 2.5x slower than bf16).
 
 Embedding and norms are kept in the model dtype. The LM head is a linear layer and is quantized;
 with tied embeddings (Llama-3.2-1B, SmolLM2) it gets its own fp8 copy, the lookup table stays.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -92,27 +100,102 @@ def quantize_fp8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, t
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """(q [N, K] fp8, scale [N]) -> W [N, K] in `dtype` (computed in fp32, rounded once)."""
-    return (q.float() * scale.float()[:, None]).to(dtype)
+    """(q [N, K] fp8, scale [N]) -> W [N, K] in `dtype` (computed in fp32, or exactly in fp64
+    when dtype is fp64, and rounded once)."""
+    ct = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(ct) * scale.to(ct)[:, None]).to(dtype)
 
 
 def quantize_weight(w: torch.Tensor, name: str = "weight") -> FP8Weight:
     return FP8Weight(*quantize_fp8(w, name))
 
 
-def fp8_linear(x: torch.Tensor, w: FP8Weight, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, K] @ W^T (+ residual) in x's dtype for an FP8Weight: the codes are converted to x's
-    dtype (exact) for the matmul and each output column is scaled once, in fp32."""
-    y = F.linear(x, w.q.to(x.dtype)).float() * w.scale.to(x.device)
-    if residual is not None:
-        y = y + residual.float()
-    return y.to(x.dtype)
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [T, K] -> (fp8 codes [T, K], fp32 scales [T, 1]): quantize_fp8's rule per
+    token, without its checks (no host sync: it runs inside CUDA graphs; a non-finite activation
+    propagates as nan, as it would in bf16)."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+_SCALED_MM: dict = {}          # device -> whether torch._scaled_mm does row/column-scaled fp8 there
+
+
+def scaled_mm_works(device) -> bool:
+    """Whether torch._scaled_mm multiplies fp8 matrices with per-row and per-column scales on
+    this device (CUDA sm89+, a torch build with row-wise scaling): tried once per device on a
+    small product, checked against the dequantized matmul."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    if device not in _SCALED_MM:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(3, 64, device=device, generator=g, dtype=torch.bfloat16)
+            w = quantize_weight(torch.randn(32, 64, device=device, generator=g))
+            y = _scaled_mm_linear(x, w)
+            xq, xs = quantize_rows_fp8(x)
+            ref = (xq.float() * xs) @ w.dequantize().t()
+            _SCALED_MM[device] = bool(((y.float() - ref).norm() / ref.norm()) < 1e-2)
+        except (RuntimeError, TypeError, ValueError):
+            _SCALED_MM[device] = False
+    return _SCALED_MM[device]
+
+
+def _scaled_mm_linear(x, w, residual=None):
+    xq, xs = quantize_rows_fp8(x)
+    y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=x.dtype)
+    return y if residual is None else y.add_(residual)
+
+
+def fp8_linear(x: torch.Tensor, w: FP8Weight, residual: torch.Tensor | None = None,
+               activations: str = "auto") -> torch.Tensor:
+    """x [T, K] @ W^T (+ residual) in x's dtype for an FP8Weight.
+    activations: "keep" (W8A16: the codes converted to x's dtype, exact; the matmul; each output
+    column scaled once, in fp32 arithmetic), "fp8" (W8A8: torch._scaled_mm on per-token fp8
+    activations; CUDA sm89+ only), "fp8-reference" (W8A8's arithmetic in plain torch, any
+    device: what the CPU uses to measure it), or "auto" (fp8 where torch._scaled_mm works with
+    16-aligned K and N and x is bf16/fp16, else keep)."""
+    k, n = w.shape[1], w.shape[0]
+    if activations == "auto":
+        activations = "fp8" if (x.dtype in (torch.bfloat16, torch.float16) and k % 16 == 0
+                                and n % 16 == 0 and scaled_mm_works(x.device)) else "keep"
+    if activations == "fp8":
+        return _scaled_mm_linear(_contiguous(x), w, residual)
+    if activations == "fp8-reference":
+        xq, xs = quantize_rows_fp8(x)
+        x = (xq.float() * xs).to(x.dtype)
+    elif activations != "keep":
+        raise ValueError(f"activations must be 'auto', 'keep', 'fp8' or 'fp8-reference', got {activations!r}")
+    y = F.linear(x, w.q.to(x.dtype))
+    y.mul_(w.scale)                   # computed in fp32 (type promotion), stored in y's dtype
+    return y if residual is None else y.add_(residual)
+
+
+def _contiguous(x):
+    return x if x.is_contiguous() else x.contiguous()
+
+
+# How `linear` treats the activations of an FP8Weight's matmul (fp8_linear's `activations`);
+# change it only through activations_mode (the quality benchmark measures W8A8 on the CPU so).
+_ACTIVATIONS = ["auto"]
+
+
+@contextlib.contextmanager
+def activations_mode(mode: str):
+    """Within the block, FP8 matmuls treat their activations as `mode` (see fp8_linear)."""
+    _ACTIVATIONS.append(mode)
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.pop()
 
 
 def linear(x: torch.Tensor, w, residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ residual) for a plain weight tensor or an FP8Weight."""
     if isinstance(w, FP8Weight):
-        return fp8_linear(x, w, residual)
+        return fp8_linear(x, w, residual, _ACTIVATIONS[-1])
     return F.linear(x, w) if residual is None else torch.addmm(residual, x, w.t())
 
 
@@ -133,6 +216,7 @@ def check_quantization(quantization, device) -> None:
                 f"H100, H200) for fp8 conversion in hardware; this one, "
                 f"{torch.cuda.get_device_name(device)}, is sm{cap[0]}{cap[1]}. Run without "
                 f"quantization (bf16/fp16) or on the CPU.")
+        scaled_mm_works(device)       # probe it now, not first inside a CUDA graph capture
 
 
 def quantization_error(w: torch.Tensor) -> dict:

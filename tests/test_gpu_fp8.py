@@ -4,8 +4,10 @@ the quantization itself makes.
 
 On a GPU (sm89+, `-m gpu`): bf16 activations at Llama-3.2-1B shapes and at irregular ones. On the
 CPU the same kernels run in Triton's interpreter (which loads float8 e4m3fn and converts it
-exactly) in fp32 at small irregular shapes. Each case also runs above MAX_ROWS (the composed path:
-fp8 codes converted to the activation dtype, the matmul, the scale per output column).
+exactly) in fp32 at small irregular shapes. Each case also runs above MAX_ROWS, the composed path:
+on the CPU the fp8 codes converted to the activation dtype, the matmul, the scale per output
+column; on a GPU torch._scaled_mm on activations quantized per token, whose reference is the same
+arithmetic in fp64 (quantization.activations_mode("fp8-reference")).
 """
 import os
 
@@ -17,7 +19,8 @@ if not torch.cuda.is_available():
 
 from pagedlab.kernels import gemv  # noqa: E402
 from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
-from pagedlab.quantization import FP8Weight, quantize_weight  # noqa: E402
+from pagedlab.quantization import (FP8Weight, activations_mode, quantize_weight,  # noqa: E402
+                                   scaled_mm_works)
 
 GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,6 +73,11 @@ def fused(t):
     return t <= gemv.MAX_ROWS
 
 
+def reference_mode(t):
+    """What the references' fp8 matmuls do with their activations: what the launcher did."""
+    return "keep" if fused(t) or not scaled_mm_works(DEV) else "fp8-reference"
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("config,t", CASES)
 def test_fp8_linear_residual(config, shape, t):
@@ -79,7 +87,8 @@ def test_fp8_linear_residual(config, shape, t):
         x, w, r = rand(t, k, gen=gen), fp8_weight(n, k, gen, k ** -0.5), rand(t, n, gen=gen)
         out = gemv.linear_residual_triton(x, w, r, fused=fused(t), **CONFIGS[config])
         assert out.shape == (t, n) and out.dtype == DTYPE
-        check(out, gemv.linear_residual_torch(f64(x), f64(w), f64(r)))
+        with activations_mode(reference_mode(t)):
+            check(out, gemv.linear_residual_torch(f64(x), w, f64(r)))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -91,7 +100,8 @@ def test_fp8_norm_swiglu(config, shape, t):
     w = fp8_weight(2 * inter, hidden, gen, hidden ** -0.5)
     out = gemv.norm_swiglu_triton(x, g, 1e-5, w, fused=fused(t), **CONFIGS[config])
     assert out.shape == (t, inter) and out.dtype == DTYPE
-    check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, f64(w)))
+    with activations_mode(reference_mode(t)):
+        check(out, gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, w))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -103,7 +113,8 @@ def test_fp8_norm_lm_head(config, shape, t):
     w = fp8_weight(vocab, hidden, gen, 0.05)
     logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, fused=fused(t), **CONFIGS[config])
     assert logits.shape == (t, vocab) and logits.dtype == torch.float32
-    check(logits, gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, f64(w)))
+    with activations_mode(reference_mode(t)):
+        check(logits, gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, w))
     assert torch.equal(tokens, logits.argmax(-1))         # the in-kernel argmax of the same logits
 
 
@@ -123,8 +134,9 @@ def test_fp8_norm_qkv_rope_store(config, shape, t):
     q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, positions, cos_sin, kc, vc, slots, hq,
                                         fused=fused(t), **CONFIGS[config])
     kr, vr = f64(k_cache), f64(v_cache)
-    qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, f64(w), positions, cos_sin.double(),
-                                        kr, vr, slots, hq)
+    with activations_mode(reference_mode(t)):
+        qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, w, positions, cos_sin.double(),
+                                            kr, vr, slots, hq)
     assert q.shape == (t, hq, d) and q.dtype == DTYPE
     check(q, qr)
     flat = lambda c: c.reshape(-1, hkv, d)   # noqa: E731

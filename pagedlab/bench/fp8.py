@@ -54,13 +54,18 @@ roundings mostly cancel in the long sums of a matrix product. Whether that is go
 question for measurement, not for argument: compare the predictions, word by word, with and without.
 """
 
-QUALITY_VARIANTS = {           # name: (weights' quantization, activation dtype, LM head kept unquantized)
-    "fp32": (None, torch.float32, False),
-    "bf16": (None, torch.bfloat16, False),
-    "fp8 weights, fp32 activations": ("fp8", torch.float32, False),
-    "fp8 weights, bf16 activations": ("fp8", torch.bfloat16, False),
+# name: (weights' quantization, activation dtype, FP8 matmuls' activations (quantization.fp8_linear),
+#        LM head kept unquantized)
+QUALITY_VARIANTS = {
+    "fp32": (None, torch.float32, "keep", False),
+    "bf16": (None, torch.bfloat16, "keep", False),
+    "fp8 weights, fp32 activations": ("fp8", torch.float32, "keep", False),
+    # what the batch-1 decode kernels compute on a GPU
+    "fp8 weights, bf16 activations": ("fp8", torch.bfloat16, "keep", False),
+    # what torch._scaled_mm computes on a GPU (sm89+) for prefill and decode batches
+    "fp8 weights and activations (per token), bf16": ("fp8", torch.bfloat16, "fp8-reference", False),
     # what quantizing the LM head costs (the engine quantizes it: it is a fifth of Llama-3.2-1B's bytes)
-    "fp8 weights but the LM head, bf16 activations": ("fp8", torch.bfloat16, True),
+    "fp8 weights but the LM head, bf16 activations": ("fp8", torch.bfloat16, "keep", True),
 }
 
 
@@ -119,6 +124,7 @@ def quality(model: str = "smollm2", text: str = TEXT, device: str = "cpu", max_t
     from pagedlab.kernels import select_kernels
     from pagedlab.llm import make_tokenizer
     from pagedlab.model import LlamaModel
+    from pagedlab.quantization import activations_mode
     from pagedlab.weights import load_checkpoint
 
     ckpt = load_checkpoint(model, show_progress=False)
@@ -126,14 +132,15 @@ def quality(model: str = "smollm2", text: str = TEXT, device: str = "cpu", max_t
     if ckpt.config.bos_token_id is not None and ids[:1] != [ckpt.config.bos_token_id]:
         ids = [ckpt.config.bos_token_id] + ids[:max_tokens - 1]
     logits, times = {}, {}
-    for name, (quant, dtype, keep_head) in QUALITY_VARIANTS.items():
+    for name, (quant, dtype, acts, keep_head) in QUALITY_VARIANTS.items():
         t0 = time.perf_counter()
         m = LlamaModel(ckpt.config, ckpt.tensors, device, dtype, select_kernels(backend),
                        max_positions=len(ids), quantization=quant)
         if keep_head:
             m.lm_head = m.embed if ckpt.config.tie_word_embeddings else \
                 ckpt.tensors["lm_head.weight"].to(device=device, dtype=dtype)
-        logits[name] = teacher_forced_logits(m, ids)[:-1]
+        with activations_mode(acts):
+            logits[name] = teacher_forced_logits(m, ids)[:-1]
         times[name] = time.perf_counter() - t0
         del m
     res = dict(metadata("python -m pagedlab bench fp8 --quality"), model=ckpt.source, device=device,
@@ -166,7 +173,8 @@ def quality_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def speed(model: str = "random:llama-3.2-1b", offline: bool = True, requests: int = 256) -> dict:
+def speed(model: str = "random:llama-3.2-1b", offline: bool = True, requests: int = 256,
+          weights=("bf16", "fp8")) -> dict:
     """One stream (and the offline workload) in bf16 and with FP8 weights, on CUDA."""
     from pagedlab.bench.common import copy_bandwidth_tbs, device_line, random_prompt, require_cuda
     from pagedlab.bench.engine import offline_workload, one_stream, run_pagedlab
@@ -181,13 +189,17 @@ def speed(model: str = "random:llama-3.2-1b", offline: bool = True, requests: in
     res = dict(metadata("python -m pagedlab bench fp8"), model=ckpt.source,
                copy_bandwidth_TBps=bw / 1e12, runs={})
     res["device_line"] = device_line(res)
-    for quant in (None, "fp8"):
-        name = quant or "bf16"
+    for name in weights:
+        quant = None if name == "bf16" else name
         t0 = time.perf_counter()
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=requests,
                   max_model_len=max(need + 16, 2048), show_progress=False, quantization=quant)
-        r = dict(setup_s=time.perf_counter() - t0, weight_GB=llm.model.num_bytes() / 1e9)
-        r["floor_tokens_per_s"] = bw / llm.model.num_bytes()
+        m = llm.model
+        # bytes one decode step reads: all weights but the embedding table (one row of it), unless
+        # it is also the LM head
+        read = m.num_bytes() - (0 if m.lm_head is m.embed else m.embed.numel() * m.embed.element_size())
+        r = dict(setup_s=time.perf_counter() - t0, weight_GB=m.num_bytes() / 1e9, read_GB=read / 1e9)
+        r["floor_tokens_per_s"] = bw / read
         r["one_stream"] = one_stream(llm, random_prompt())
         r["one_stream"]["of_floor"] = r["one_stream"]["tokens_per_s"] / r["floor_tokens_per_s"]
         print(name, "one stream", round(r["one_stream"]["tokens_per_s"], 1), "tokens/s", flush=True)
@@ -208,7 +220,7 @@ def speed_table(res: dict) -> str:
              "|---|---|---|---|---|---|"]
     for n, r in res["runs"].items():
         off = f"{r['offline']['tokens_per_s']:,.0f}" if "offline" in r else "not run"
-        lines.append(f"| {n} | {r['weight_GB']:.3f} | {r['floor_tokens_per_s']:,.0f} | "
+        lines.append(f"| {n} | {r['read_GB']:.3f} | {r['floor_tokens_per_s']:,.0f} | "
                      f"{r['one_stream']['tokens_per_s']:,.0f} | {r['one_stream']['of_floor']:.2f} | {off} |")
     return "\n".join(lines)
 
@@ -223,11 +235,13 @@ def main(argv=None):
     p.add_argument("--backend", default="torch", choices=["torch", "triton"], help="quality: kernels")
     p.add_argument("--text", default=None, help="quality: a UTF-8 text file instead of the built-in TEXT")
     p.add_argument("--no-offline", action="store_true", help="speed: one stream only")
+    p.add_argument("--weights", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                   help="speed: which weights to run")
     p.add_argument("--out", default="docs", help="where fp8_quality.json / fp8_speed.json go")
     args = p.parse_args(argv)
     out = out_dir(args.out)
     if not args.quality:
-        res = speed(args.model or "random:llama-3.2-1b", offline=not args.no_offline)
+        res = speed(args.model or "random:llama-3.2-1b", offline=not args.no_offline, weights=args.weights)
         write_json(out / "fp8_speed.json", res)
         print(speed_table(res))
         return

@@ -10,6 +10,8 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
     python -m pagedlab bench gemv                 # table + JSON (+ figures/gemv_bench.png)
     python -m pagedlab bench gemv --tune          # also sweep launch configs; writes the best as
                                                   # JSON, usable via PAGEDLAB_GEMV_CONFIG=<file>
+    python -m pagedlab bench gemv --fp8 [--tune]  # the same with FP8 weights (the *_fp8 configs;
+                                                  # unfused = torch._scaled_mm on fp8 activations)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
@@ -31,11 +33,12 @@ ROWS = (1, 2, 4, 8)
 MIN_BYTES = 256 << 20       # weight copies per op: at least this many bytes (several L2s)
 
 
-def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
+def make_ops(m: int, device, dtype=torch.bfloat16, seed=0, fp8=False):
     """{op name: dict(bytes=weight bytes, key=config key, ws=weight copies, call=closure maker)},
     with enough weight copies per op that the calls stream their weights from DRAM.
     call(w, fused, cfg) -> a closure running the op on weights w with launch config cfg (an entry
-    of GEMV_CONFIG's layout)."""
+    of GEMV_CONFIG's layout). fp8: the weights quantized (quantization.FP8Weight), configs *_fp8."""
+    from pagedlab.quantization import quantize_weight
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -57,21 +60,24 @@ def make_ops(m: int, device, dtype=torch.bfloat16, seed=0):
     }
     ops = {}
     for name, (n, k, key) in specs.items():
-        nbytes = n * k * 2
+        nbytes = n * k * (1 if fp8 else 2)
         copies = max(1, -(-MIN_BYTES // nbytes))
         ws = [randn(n, k, scale=k ** -0.5) for _ in range(copies)]
+        if fp8:
+            ws = [quantize_weight(w) for w in ws]
 
         def call(w, fused, cfg, key=key):
+            c = dict(config=cfg, fp8_config=cfg)
             if key == "qkv":
                 return lambda: gemv.norm_qkv_rope_store_triton(x_h, g, 1e-5, w, pos, cos_sin, k_cache,
-                                                               v_cache, slots, HQ, config=cfg, fused=fused)
+                                                               v_cache, slots, HQ, fused=fused, **c)
             if key == "swiglu":
-                return lambda: gemv.norm_swiglu_triton(x_h, g, 1e-5, w, config=cfg, fused=fused)
+                return lambda: gemv.norm_swiglu_triton(x_h, g, 1e-5, w, fused=fused, **c)
             if key == "lm_head":
-                return lambda: gemv.norm_lm_head_triton(x_h, g, 1e-5, w, config=cfg, fused=fused)
+                return lambda: gemv.norm_lm_head_triton(x_h, g, 1e-5, w, fused=fused, **c)
             xin = o_in if w.shape[1] == HQ * D else x_i
-            return lambda: gemv.linear_residual_triton(xin, w, x_h, config=cfg, fused=fused)
-        ops[name] = dict(bytes=nbytes, key=key, ws=ws, call=call)
+            return lambda: gemv.linear_residual_triton(xin, w, x_h, fused=fused, **c)
+        ops[name] = dict(bytes=nbytes, key=key + ("_fp8" if fp8 else ""), ws=ws, call=call)
     return ops
 
 
@@ -89,14 +95,18 @@ def tune(ops) -> dict:
             except Exception as e:                # out of shared memory / registers: skip
                 print(f"  skip {cfg}: {type(e).__name__}")
                 return float("inf")
-        rs = (16, 32, 64) if key == "lm_head" else (8, 16, 32)
+        rs = (16, 32, 64) if key.startswith("lm_head") else (8, 16, 32)
         splits = ((256, 128), (256, 256), (512, 128), (512, 256), (512, 512), (1024, 256),
                   (1024, 512), (2048, 512))
-        tiles = [dict(BLOCK_R=r, K_SPLIT=ks, BLOCK_K=bk, num_warps=4, num_stages=2)
+        warps, stages = (2, 4, 8), (1, 2, 3)
+        if key.endswith("_fp8"):       # a byte per weight: wider K tiles, a smaller sweep
+            splits = ((512, 512), (1024, 512), (1024, 1024), (2048, 1024))
+            warps, stages = (4, 8), (1, 2)
+        tiles = [dict(BLOCK_R=r, K_SPLIT=ks, BLOCK_K=bk, num_warps=4 if bk <= 512 else 8, num_stages=2)
                  for r in rs for ks, bk in splits]
         best = min(((score(c), c) for c in tiles), key=lambda t: t[0])
-        rest = [dict(best[1], num_warps=w, num_stages=st) for w in (2, 4, 8) for st in (1, 2, 3)
-                if (w, st) != (4, 2)]
+        rest = [dict(best[1], num_warps=w, num_stages=st) for w in warps for st in stages
+                if (w, st) != (best[1]["num_warps"], 2)]
         best = min([best] + [(score(c), c) for c in rest], key=lambda t: t[0])
         tuned[key] = best
         print(f"tune {key}: {best[1]}  {best[0]:.2f} us for {', '.join(n for n, op in ops.items() if op['key'] == key)}")
@@ -108,6 +118,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="figures")
     ap.add_argument("--tune", action="store_true", help="sweep launch configs at M=1 first")
+    ap.add_argument("--fp8", action="store_true", help="FP8 weights (the *_fp8 launch configs)")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="tokens per call (M)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
@@ -118,14 +130,14 @@ def main(argv=None):
     tuned = {}
     config = gemv.GEMV_CONFIG
     if args.tune:
-        tuned = tune(make_ops(1, dev))
+        tuned = tune(make_ops(1, dev, fp8=args.fp8))
         best_cfg = {k: v[1] for k, v in tuned.items()}
-        write_json(out / "gemv_best_config.json", best_cfg)
+        write_json(out / ("gemv_fp8_best_config.json" if args.fp8 else "gemv_best_config.json"), best_cfg)
         config = merge_config(gemv.GEMV_CONFIG, best_cfg)
     rows = []
     print(f"{'op':28s} {'M':>3s} {'fused us':>9s} {'TB/s':>6s} {'unfused us':>10s} {'TB/s':>6s} {'speedup':>7s}")
-    for m in ROWS:
-        for name, op in make_ops(m, dev).items():
+    for m in args.rows:
+        for name, op in make_ops(m, dev, fp8=args.fp8).items():
             cfg = config[op["key"]]
             f_us = graph_time_us([op["call"](w, True, cfg) for w in op["ws"]])
             u_us = graph_time_us([op["call"](w, False, cfg) for w in op["ws"]])
@@ -136,16 +148,17 @@ def main(argv=None):
                   f"{r['unfused_tb_s']:6.2f} {u_us / f_us:6.2f}x")
     layer = {m: (sum(r["fused_us"] for r in rows if r["m"] == m and "lm_head" not in r["op"]),
                  sum(r["unfused_us"] for r in rows if r["m"] == m and "lm_head" not in r["op"]))
-             for m in ROWS}
+             for m in args.rows}
     for m, (f, u) in layer.items():
         print(f"one layer's linear work at M={m}: fused {f:.1f} us, unfused {u:.1f} us")
     result = dict(meta=meta, config=to_plain(config), rows=rows,
                   tuned={k: dict(us=v[0], config=v[1]) for k, v in tuned.items()})
-    write_json(out / "gemv_bench.json", result)
-    plot(rows, copy_bw, out / "gemv_bench.png")
+    name = "gemv_fp8_bench" if args.fp8 else "gemv_bench"
+    write_json(out / f"{name}.json", result)
+    plot(rows, copy_bw, out / f"{name}.png", "FP8" if args.fp8 else "bf16")
 
 
-def plot(rows, copy_bw, path):
+def plot(rows, copy_bw, path, weights="bf16"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -163,7 +176,8 @@ def plot(rows, copy_bw, path):
         ax.set_xlabel("tokens in the step (M)")
     axes[0].set_ylabel("weight read rate (TB/s)")
     axes[0].legend(fontsize=7)
-    fig.suptitle("Decode-time linear layers, Llama-3.2-1B shapes, bf16 (CUDA graph replay)", fontsize=10)
+    fig.suptitle(f"Decode-time linear layers, Llama-3.2-1B shapes, {weights} weights (CUDA graph replay)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -66,5 +66,6 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
         fns["prefill_attention"] = functools.partial(fns["prefill_attention"],
                                                      config=options["prefill_config"])
         for fn, key in CONFIG_KEYS.items():
-            fns[fn] = functools.partial(fns[fn], config=options["gemv_config"][key], pdl=pdl)
+            fns[fn] = functools.partial(fns[fn], config=options["gemv_config"][key], pdl=pdl,
+                                        fp8_config=options["gemv_config"][key + "_fp8"])
     return SimpleNamespace(backend=backend, options=options, **fns)

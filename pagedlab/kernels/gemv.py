@@ -65,6 +65,12 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (
     "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2),
     "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3),
     "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1),
+    # the same kernels on FP8 weights (quantization.FP8Weight): a byte per weight, so a tile of
+    # the same bytes holds twice the columns; the launchers take these as `fp8_config`
+    "qkv_fp8": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1),
+    "swiglu_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2),
+    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3),
+    "lm_head_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
@@ -81,8 +87,9 @@ GEMV_CONFIG = _config_from_env()
 # Which entry of GEMV_CONFIG each launcher (by the name the model calls it) uses.
 CONFIG_KEYS = {"norm_qkv_rope_store": "qkv", "linear_residual": "residual",
                "norm_swiglu": "swiglu", "norm_lm_head": "lm_head"}
-# fp32 values of the [tokens, rows, columns] product one program multiplies per loop step (its
-# registers); BLOCK_K is lowered to keep within it when there are many tokens.
+# fp32 values of the [tokens, rows, columns] product one program of 4 warps multiplies per loop
+# step (its registers; a program of 8 warps may hold twice as many); BLOCK_K is lowered to keep
+# within it when there are many tokens.
 MAX_PRODUCT_VALUES = 8192
 
 
@@ -349,7 +356,8 @@ def _plan(x, k, row_blocks, cfg, pdl):
     block_m = triton.next_power_of_2(x.shape[0])
     block_r = cfg["BLOCK_R"]
     block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
-    block_k = max(16, min(block_k, MAX_PRODUCT_VALUES // (block_m * block_r)))
+    cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)
+    block_k = max(16, min(block_k, cap // (block_m * block_r)))
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
@@ -392,15 +400,17 @@ def _use_fused(x, fused) -> bool:
 
 def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
                                slot_mapping, num_heads, config=GEMV_CONFIG["qkv"], fused=None,
-                               pdl=None):
+                               pdl=None, fp8_config=GEMV_CONFIG["qkv_fp8"]):
     """Same contract as norm_qkv_rope_store_torch: one launch for up to MAX_ROWS tokens.
     config: launch parameters (an entry of GEMV_CONFIG); fused: None = the fused kernel up to
-    FUSE_UP_TO tokens, True/False forces a path; pdl: the PDL mode (pdl.py, None = default)."""
+    FUSE_UP_TO tokens, True/False forces a path; pdl: the PDL mode (pdl.py, None = default);
+    fp8_config: the launch parameters used instead of `config` when w is an FP8Weight."""
     if not _use_fused(x, fused):
         return _qkv_composed(rms_norm_triton, rope_triton, kv_store_triton, x, norm_w, eps, w,
                              positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
     t, k = x.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
+    config = fp8_config if isinstance(w, FP8Weight) else config
     w, scale = _codes_scale(w)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and w.is_contiguous()
     assert cos_sin.is_contiguous() and cos_sin.shape[1] == d
@@ -415,20 +425,23 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     return q
 
 
-def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None):
+def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None,
+                           fp8_config=GEMV_CONFIG["residual_fp8"]):
     """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
         return linear(x, w, residual)
+    config = fp8_config if isinstance(w, FP8Weight) else config
     return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl)
 
 
 def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=None, greedy=False,
-                        pdl=None):
+                        pdl=None, fp8_config=GEMV_CONFIG["lm_head_fp8"]):
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
     taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
     if not _use_fused(x, fused):
         logits = linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
+    config = fp8_config if isinstance(w, FP8Weight) else config
     return _linear(x, norm_w, eps, w, None, torch.float32, config, pdl, greedy)
 
 
@@ -462,12 +475,13 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
 
 
 def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], fused=None,
-                       pdl=None):
+                       pdl=None, fp8_config=GEMV_CONFIG["swiglu_fp8"]):
     """Same contract as norm_swiglu_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
         return silu_and_mul_triton(linear(rms_norm_triton(x, norm_w, eps), w_gate_up))
     t, k = x.shape
     inter = w_gate_up.shape[0] // 2
+    config = fp8_config if isinstance(w_gate_up, FP8Weight) else config
     w_gate_up, scale = _codes_scale(w_gate_up)
     assert w_gate_up.is_contiguous()
     x = _rows2d(x)
