@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .kv_cache import BlockAllocator, blocks_needed
+from .kv_cache import BlockAllocator, OutOfBlocks, blocks_needed
 
 
 class CheckFailed(Exception):
@@ -81,6 +81,11 @@ def _call(fn, name, *args, module: str = "course", **kwargs):
         raise
     except NotImplementedError as e:
         raise CheckFailed(_not_written(name, e, module)) from None
+    except OutOfBlocks as e:
+        raise CheckFailed(f"{name} raised {type(e).__name__}: {e}.\nHint: it asked the allocator for more blocks "
+                          "than are free. A request's blocks fit when blocks_needed(seq.num_tokens, block_size) - "
+                          "len(seq.blocks) <= allocator.num_free: check that before allocate (an off-by-one there "
+                          "asks for a block that is not there).") from None
     except Exception as e:
         raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
 
@@ -104,6 +109,8 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
     the same blocks handed out, the same free list in the same order, the same owners; asking
     for more blocks than are free, and freeing a block not in use, must raise and change nothing."""
     cls = _pick(cls, "Allocator")
+    probe = _call(cls, "Allocator", 4)                  # allocate first: the method the text starts with
+    _call(probe.allocate, "Allocator.allocate", "probe", 1)
     rng = random.Random(seed)
     for trial in range(trials):
         n = rng.choice([1, 2, 5, 12])
@@ -125,14 +132,16 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
                 bad = rng.choice([b for b in range(n) if b not in ref.owner] or [n + 3])
                 log.append(f"free([{bad}])   # not in use: must raise")
                 _expect_raise(ours, lambda: ours.free([bad]), log,
-                              "freeing a block that is not in use must raise (a double free would hand it out twice)")
+                              "freeing a block that is not in use must raise (a double free would hand it out twice)",
+                              "Allocator.free")
             else:
                 who = f"s{rng.randrange(6)}"
                 k = rng.randint(1, 3) if rng.random() < 0.85 else free_now + rng.randint(1, 2)
                 log.append(f"allocate({who!r}, {k})" + ("   # too many: must raise" if k > free_now else ""))
                 if k > free_now:
                     _expect_raise(ours, lambda: ours.allocate(who, k), log,
-                                  f"only {free_now} blocks are free: allocate(.., {k}) must raise and take none")
+                                  f"only {free_now} blocks are free: allocate(.., {k}) must raise and take none",
+                                  "Allocator.allocate")
                 else:
                     want = ref.allocate(who, k)
                     got = _call(ours.allocate, "Allocator.allocate", who, k)
@@ -145,12 +154,12 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
     return cls
 
 
-def _expect_raise(ours, op, log, why):
+def _expect_raise(ours, op, log, why, name="Allocator"):
     before = (list(ours.free_list), dict(ours.owner))
     try:
         op()
     except NotImplementedError as e:
-        raise CheckFailed(_not_written("Allocator", e)) from None
+        raise CheckFailed(_not_written(name, e)) from None
     except Exception:
         if (list(ours.free_list), dict(ours.owner)) != before:
             raise CheckFailed(_story(log) + "it raised, but changed the free list or the owners first.\n"
@@ -315,6 +324,7 @@ def pagedlab_schedule(workload, num_slots: int, num_blocks: int, block_size: int
 def _snapshot_pagedlab(sched, finished):
     return dict(queue=[r.request_id for r in sched.waiting],
                 rows=[len(r.blocks) if r else 0 for r in sched.slots],
+                ids=[list(r.blocks) if r else [] for r in sched.slots],
                 generated={r.request_id: len(r.output_token_ids) for r in sched.slots if r},
                 pool_used=sched.allocator.num_used, finished=sorted(finished))
 
@@ -322,12 +332,14 @@ def _snapshot_pagedlab(sched, finished):
 def _snapshot_toy(state):
     return dict(queue=[s.rid for s in state.queue],
                 rows=[len(s.blocks) if s else 0 for s in state.slots],
+                ids=[list(s.blocks) if s else [] for s in state.slots],
                 generated={s.rid: s.generated for s in state.slots if s},
                 pool_used=state.allocator.num_used, finished=sorted(state.finished))
 
 
 _WHAT = {"ran": "requests in the slots as the step ran", "preempted": "requests preempted in the step",
          "queue": "queue after the step", "rows": "blocks held per slot after the step",
+         "ids": "block ids held per slot after the step",
          "generated": "tokens generated per running request after the step",
          "pool_used": "blocks in use after the step", "finished": "finished requests after the step"}
 
@@ -346,15 +358,20 @@ def run_toy(workload, num_slots, num_blocks, step_fn, block_size=16, name="step"
             raise CheckFailed(f"{setup}:\nyour run ended after {t} steps; pagedlab's takes {len(want)}.\n"
                               "Hint: a request stops when it has made max_new_tokens tokens, not before.")
         state.preempted = []
-        if make_room is None:
-            ran = _call(step_fn, name, state)
-        else:
-            ran = _call(reference_step, name, state, _wrap_room(make_room, name))
+        try:
+            if make_room is None:
+                ran = _call(step_fn, name, state)
+            else:
+                ran = _call(reference_step, name, state, _wrap_room(make_room, name))
+        except CheckFailed as e:
+            if "not written yet" in str(e):
+                raise
+            raise CheckFailed(f"{setup}:\nat step {t}, {e}") from None
         got = dict(ran=list(ran) if ran is not None else None, preempted=state.preempted, **_snapshot_toy(state))
-        for key in ("preempted", "queue", "ran", "generated", "rows", "pool_used", "finished"):
+        for key in ("preempted", "queue", "ran", "generated", "rows", "ids", "pool_used", "finished"):
             if got[key] != w[key]:
                 raise CheckFailed(f"{setup}:\nat step {t}, {_WHAT[key]}: got {got[key]}, expected {w[key]}."
-                                  f"\n{_hint(key)}")
+                                  f"\n{_diagnose(key, got, w, state)}")
         ran_steps.append(got["ran"])
     if state.has_work():
         raise CheckFailed(f"{setup}:\npagedlab's run ends after {len(want)} steps, yours still has work "
@@ -368,6 +385,48 @@ def _wrap_room(make_room, name):
     return room
 
 
+def _diagnose(key, got, want, state) -> str:
+    """The hint for the likely bug behind a difference: read from the whole step (what finished,
+    who holds blocks, how the counts differ), not only from the first field that differs."""
+    holding = [s.rid for s in state.queue if s.blocks]
+    if holding:
+        return (f"Hint: {', '.join(f'req {r}' for r in holding)} is back in the queue but still holds blocks. "
+                "When make_room preempts `seq` itself it must return False at once: `seq` has no slot to grow "
+                "in, so nothing is allocated for it.")
+    late = [r for r in want["finished"] if r not in got["finished"]]
+    early = [r for r in got["finished"] if r not in want["finished"]]
+    if late:
+        r = late[0]
+        n = got["generated"].get(r)
+        return (f"Hint: req {r} should have stopped in this step{f' (it has made {n} tokens)' if n is not None else ''}. "
+                "A request stops in the step that makes its max_new_tokens-th token: add the step's token, "
+                "then stop it when generated == max_new_tokens.")
+    if early:
+        return (f"Hint: req {early[0]} stopped one step early. It stops only when generated == max_new_tokens, "
+                "counting this step's token (the prefill step makes the first).")
+    if key == "generated":
+        reset = [r for r, n in got["generated"].items() if r in want["generated"] and n < want["generated"][r] - 1]
+        if reset:
+            r = reset[0]
+            return (f"Hint: req {r} has made {got['generated'][r]} tokens, pagedlab's {want['generated'][r]}: its "
+                    "count started again. A preempted request keeps its generated tokens (they are recomputed "
+                    "with the prompt when it returns): never reset seq.generated.")
+    if key == "preempted":
+        g, w = got["preempted"], want["preempted"]
+        if len(g) > len(w) and g[:len(w)] == w:
+            return (f"Hint: {', '.join(f'req {r}' for r in g[len(w):])} preempted although the pool then had "
+                    "room: preempt only while the blocks needed > allocator.num_free, and stop (return False) "
+                    "when the request itself was preempted.")
+        if len(g) < len(w) and w[:len(g)] == g:
+            return (f"Hint: the pool ran out and req {w[len(g)]} had to be preempted: keep preempting the newest "
+                    "running request while the blocks needed > allocator.num_free.")
+    if key == "ids" and got["rows"] == want["rows"]:
+        return ("Hint: the same number of blocks, different block ids: blocks are taken in a different order. "
+                "First make room for every running request's next token (oldest first), then admit from the "
+                "queue: a new request takes the blocks that are left.")
+    return _hint(key)
+
+
 def _hint(key):
     return {"ran": "Hint: first make room for the running requests, then fill free slots from the front of "
                    "the queue, lowest slot first; return the request id in each slot (None if idle).",
@@ -376,6 +435,8 @@ def _hint(key):
             "generated": "Hint: every request in a slot makes exactly one token per step, its prefill step included.",
             "rows": "Hint: a request holds blocks_needed(seq.num_tokens, block_size) blocks: its prompt's at "
                     "admission, one more when a new token crosses into the next block.",
+            "ids": "Hint: blocks come from state.allocator in the step's order: growth of the running "
+                   "requests (oldest first), then admissions (front of the queue first).",
             "pool_used": "Hint: allocate through state.allocator, and free a request's blocks when it stops "
                          "(or is preempted).",
             "queue": "Hint: take requests from the front (popleft); a preempted request goes back to the "

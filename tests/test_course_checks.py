@@ -184,6 +184,111 @@ def test_make_room_bugs(sol):
     fails(checks.check_make_room, forgets_victims, "preempted")
 
 
+# -- each hint names the bug it was written for -------------------------------------------------------
+
+def _schedule_step_with(stop=lambda seq: seq.generated == seq.max_new_tokens, grow_first=True):
+    """The course's schedule_step with a different stop test or order of growth and admission."""
+    def step(state):
+        bs = state.block_size
+
+        def grow():
+            for seq in state.running:
+                need = blocks_needed(seq.num_tokens, bs) - len(seq.blocks)
+                if need > 0:
+                    seq.blocks += state.allocator.allocate(seq.rid, need)
+        if grow_first:
+            grow()
+        new = []
+        while state.queue and None in state.slots:
+            seq = state.queue.popleft()
+            seq.blocks = state.allocator.allocate(seq.rid, blocks_needed(seq.num_tokens, bs))
+            state.slots[state.slots.index(None)] = seq
+            state.running.append(seq)
+            new.append(seq)
+        if not grow_first:                            # refill before grow: the new ones hold enough
+            for seq in [s for s in state.running if s not in new]:
+                need = blocks_needed(seq.num_tokens, bs) - len(seq.blocks)
+                if need > 0:
+                    seq.blocks += state.allocator.allocate(seq.rid, need)
+        ran = [s.rid if s is not None else None for s in state.slots]
+        for seq in state.running:
+            seq.generated += 1
+        for seq in list(state.running):
+            if stop(seq):
+                state.allocator.free(seq.blocks)
+                seq.blocks = []
+                state.slots[state.slots.index(seq)] = None
+                state.running.remove(seq)
+                state.finished.append(seq.rid)
+        return ran
+    return step
+
+
+def test_schedule_step_hints_name_the_bug():
+    msg = fails(checks.check_schedule_step, _schedule_step_with(stop=lambda s: s.generated > s.max_new_tokens),
+                "should have stopped in this step", "generated == max_new_tokens")
+    assert "one token per step" not in msg
+    msg = fails(checks.check_schedule_step, _schedule_step_with(stop=lambda s: s.generated >= s.max_new_tokens - 1),
+                "stopped one step early")
+    assert "one token per step" not in msg
+    # refill before grow: the same block counts, other ids (a 4,096-block pool never runs out)
+    fails(checks.check_schedule_step, _schedule_step_with(grow_first=False), "block ids", "different block ids",
+          "First make room")
+
+
+def _make_room_with(sol, reset=False, return_false=True, slack=0, strict=False):
+    def make_room(state, seq):
+        need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
+        while (need >= state.allocator.num_free) if strict else (need > state.allocator.num_free + slack):
+            victim = state.running[-1]
+            state.allocator.free(victim.blocks)
+            victim.blocks = []
+            if reset:
+                victim.generated = 0
+            state.slots[state.slots.index(victim)] = None
+            state.running.remove(victim)
+            state.queue.appendleft(victim)
+            state.preempted.append(victim.rid)
+            if victim is seq and return_false:
+                return False
+        if need > 0:
+            seq.blocks += state.allocator.allocate(seq.rid, need)
+        return True
+    return make_room
+
+
+def test_make_room_hints_name_the_bug(sol):
+    assert checks.check_make_room(_make_room_with(sol)) is not None          # the helper itself is right
+    msg = fails(checks.check_make_room, _make_room_with(sol, reset=True), "count started again",
+                "never reset seq.generated")
+    assert "one token per step" not in msg
+    msg = fails(checks.check_make_room, _make_room_with(sol, return_false=False), "still holds blocks",
+                "return False")
+    assert "free a request's blocks when it stops" not in msg
+    msg = fails(checks.check_make_room, _make_room_with(sol, slack=1), "at step", "OutOfBlocks",
+                "<= allocator.num_free", "off-by-one")
+    assert msg.startswith("workload")                                        # says where it happened
+    fails(checks.check_make_room, _make_room_with(sol, strict=True), "preempted although the pool then had room")
+
+
+def test_allocator_stub_messages_name_the_method(sol):
+    class Stub:
+        def __init__(self, n):
+            self.free_list, self.owner = __import__("collections").deque(range(n)), {}
+
+        def allocate(self, who, n=1):
+            raise NotImplementedError("take n blocks")
+
+        def free(self, blocks):
+            raise NotImplementedError("give them back")
+    msg = fails(checks.check_allocator, Stub, "Allocator.allocate is not written yet", "take n blocks")
+    assert "give them back" not in msg
+
+    class HalfDone(Stub):
+        allocate = sol.Allocator.allocate
+    fails(checks.check_allocator, HalfDone, "Allocator.free is not written yet", "give them back")
+
+
 # -- notebook 05: the decode loop ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
