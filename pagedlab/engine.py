@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numbers
 import time
+import weakref
 from collections import deque
 
 import torch
@@ -140,6 +141,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
+        self._traced_endings = weakref.WeakSet()    # finished requests a trace record has named
         self._next_id = 0
         self._seed_rng = torch.Generator().manual_seed(cfg.seed)
         self._t0 = time.perf_counter()
@@ -309,14 +311,18 @@ class Engine:
         return batch
 
     def _record(self, batch: Batch, finished: list[Request], t_start: float) -> StepRecord:
-        """The step as plain data for the trace (slots as they ran this step)."""
+        """The step as plain data for the trace (slots as they ran this step). `finished`: the
+        requests waiting to be handed out; each is named by one record only (a step interrupted
+        at its end hands its finished requests out with the next one)."""
         emitted = {}
         for r, i in zip(batch.sampled, batch.out_index):
             if i < len(r.output_token_ids):
                 emitted[r.request_id] = r.output_token_ids[i]
+        ended = [r for r in finished if r not in self._traced_endings]
+        self._traced_endings.update(ended)
         return StepRecord(step=self.trace.next_step, start_s=t_start - self._t0,
                           duration_s=time.perf_counter() - t_start, emitted=emitted,
-                          finished=[r.request_id for r in finished], **batch.view)
+                          finished=[r.request_id for r in ended], **batch.view)
 
     def run(self, on_finish=None) -> list[Request]:
         """Step until the queue and the slots are empty."""
