@@ -108,6 +108,25 @@ def device_dtype():
     return resolve_device_dtype()
 
 
+def limit_cpu_threads() -> int | None:
+    """On a machine without CUDA: set torch's threads for the whole notebook, once, by the engine's
+    own rule (pagedlab.cpu_threads: one thread unless you chose -- OMP_NUM_THREADS, MKL_NUM_THREADS,
+    PAGEDLAB_CPU_THREADS, or torch.set_num_threads before this). An LLM applies that rule when it is
+    built; the notebooks also run the model, kernels and checks by hand before any LLM exists, and
+    torch's default of one thread per core makes each small matrix-vector product wait for every
+    core: on a 2-core machine busy with other work, a SmolLM2-shaped decode loop measured 132 ms a
+    token with 1 thread and 2,456 ms with 2 (2026-12-01, load average 8-11). Returns the thread
+    count set, or None when it left torch alone (a GPU, or your choice)."""
+    import torch
+    if torch.cuda.is_available():
+        return None
+    from .cpu_threads import cpu_threads_for
+    n = cpu_threads_for(torch.device("cpu"))
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return n
+
+
 def device_report() -> str:
     """One line: which device the notebooks will use and what the CPU fallback does."""
     import torch
@@ -117,9 +136,11 @@ def device_report() -> str:
         return (f"GPU: {p.name} ({p.total_memory / 2**30:.0f} GiB, compute capability "
                 f"{p.major}.{p.minor}) -- Triton kernels compile for it, {dtype} weights.")
     interp = os.environ.get("TRITON_INTERPRET") == "1"
+    threads = torch.get_num_threads()
     return ("CPU only -- the engine runs its plain-torch kernels in fp32; Triton cells run in "
             f"Triton's interpreter ({'on' if interp else 'OFF: set TRITON_INTERPRET=1 before importing'}"
-            "), slowly and on small shapes, so timings are not GPU timings.")
+            "), slowly and on small shapes, so timings are not GPU timings. torch uses "
+            f"{threads} thread{'s' if threads != 1 else ''} (PAGEDLAB_CPU_THREADS=N to choose).")
 
 
 def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, vocab: int = 500):

@@ -393,3 +393,27 @@ def test_smollm2_copy_gives_the_same_tokens(tmp_path, smollm2, smollm2_llm):
     sp = SamplingParams(max_new_tokens=12)
     want = [o.token_ids for o in smollm2_llm.generate(course.DEMO_PROMPTS, sp, chat=True)]
     assert [o.token_ids for o in copy.generate(course.DEMO_PROMPTS, sp, chat=True)] == want
+
+
+# -- the course's CPU threads ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("env,want", [({}, "1 True"), ({"OMP_NUM_THREADS": "2"}, "2 False"),
+                                      ({"PAGEDLAB_CPU_THREADS": "2"}, "2 True")])
+def test_setup_limits_torch_threads_on_a_cpu(env, want):
+    """The set-up cell's course.limit_cpu_threads(): on a CPU, one torch thread for the whole
+    notebook unless the learner chose (the engine's own rule), and the report says how many."""
+    import os
+    import subprocess
+    import sys
+    code = ("import torch\n"
+            "from pagedlab import course\n"
+            "n = course.limit_cpu_threads()\n"
+            "print(torch.get_num_threads(), n is not None, course.device_report())")
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PAGEDLAB_CPU_THREADS")}
+    r = subprocess.run([sys.executable, "-c", code], env={**base, **env, "CUDA_VISIBLE_DEVICES": ""},
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith(want), r.stdout
+    n = want.split()[0]
+    assert f"torch uses {n} thread" in r.stdout

@@ -93,6 +93,7 @@ except ImportError as e:
     raise SetupError(f"pagedlab does not import: {e}. In a terminal run  pip install {shlex.quote(PAGEDLAB_PIP)}"
                      "  (in a clone: pip install -e '.[notebooks]'), then restart the kernel.") from None
 print(f"pagedlab {pagedlab.__version__} from {Path(pagedlab.__file__).parent}")
+course.limit_cpu_threads()                                   # on a CPU: torch's threads, by the engine's rule
 print(course.device_report())''')
 
 SOLUTIONS = '''# Solutions: run this cell to see (and check) them. They live in solutions/{name}.py next to this
