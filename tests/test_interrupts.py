@@ -197,6 +197,86 @@ def outputs(done):
     return {i: (r.output_token_ids, r.finish_reason) for i, r in done.items()}
 
 
+# -- the mechanism itself ------------------------------------------------------------------------
+
+def test_a_deferred_sigint_is_raised_at_the_end_and_the_handler_given_back():
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+            done.append("after the signal")
+            with interrupts.deferred():             # nested: still held
+                done.append("nested")
+            done.append("end of the section")
+    assert done == ["after the signal", "nested", "end of the section"]
+    assert signal.getsignal(signal.SIGINT) is before
+    with interrupts.deferred():                     # no signal: nothing raised, nothing left over
+        pass
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_hole_raises_a_waiting_signal_on_entry_and_a_new_one_at_once():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+            with interrupts.interruptible():
+                done.append("in the hole")          # never: the waiting signal is raised first
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred():
+            with interrupts.interruptible():
+                signal.raise_signal(signal.SIGINT)
+                done.append("after a signal in the hole")
+    assert done == []
+    with interrupts.interruptible():                # outside a deferred section: nothing to do
+        pass
+
+
+def test_a_second_sigint_is_delivered_at_once():
+    """The way out of a section stuck in a loop: press Ctrl-C twice."""
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+            done.append("first held")
+            signal.raise_signal(signal.SIGINT)
+            done.append("second held")
+    assert done == ["first held"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_previous_handler_gets_the_signal_and_an_ignored_one_stays_ignored():
+    calls = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: calls.append(signum))
+    try:
+        with interrupts.deferred():
+            signal.raise_signal(signal.SIGINT)
+            assert calls == []
+        assert calls == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with interrupts.deferred():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+        assert calls == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_sections_off_the_main_thread_change_nothing():
+    seen = []
+
+    def work():
+        with interrupts.deferred():
+            seen.append(signal.getsignal(signal.SIGINT))
+            with interrupts.interruptible():
+                seen.append(interrupts._state.depth)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [signal.default_int_handler, 0]
+
+
 class PureDevice:
     """The runner's device side replaced by a pure function of each sequence (its prompt, length
     and last token): a step costs microseconds instead of a forward pass, so a signal can be
