@@ -3,17 +3,22 @@
 Every interrupt here is a real SIGINT, so it goes through the handler the engine's deferred
 sections put in place:
 
-* sent from inside the engine by a tracer (`SignalAt`): at every site of the bookkeeping code --
-  each line (a loop's backward jump is where Python checks for signals), each function entry and
-  return, each return from a C call (`list.append`, `deque.popleft`, ...) -- one site per retry of
-  the step, until every site reached in the run has been hit once, then at random sites;
-* sent by a timer thread at random moments (`SigintTimer`), the way a learner presses it.
+* sent from inside the engine by a tracer (`SignalAt`) at a chosen site of the bookkeeping code --
+  a line (a superset of the loops' backward jumps, where Python checks for signals), a function's
+  entry or return, the return from a C call (`list.append`, `deque.popleft`, ...). Each step is
+  retried after every KeyboardInterrupt with a signal aimed at a site not hit yet; for each
+  function that used to break, until every one of its sites reached has had a signal;
+* sent by a timer thread at random moments (`SigintTimer`), the way a learner presses Ctrl-C.
 
-Afterwards, on randomized streams (plain and overlap loops, prefix caching on and off, trace on):
-every request is handed out exactly once, every block and reference count is back, the outputs
-equal a clean run's token for token, and running the same stream again on the interrupted engine
-gives the clean outputs once more. Then one test per defect the deferral fixes, each with signals
-aimed at every site of the one function that used to break.
+The device side is the model (tiny, random, fp32) or `PureDevice`, a pure function of each
+sequence that makes a step all bookkeeping (cheap enough to aim at hundreds of sites). On
+randomized streams (plain and overlap loops, prefix caching on and off, trace on): after every
+interrupt each request is in exactly one place and every block and reference count adds up;
+at the end every request was handed out exactly once, the outputs equal a clean engine's token
+for token, and the same stream run again on the interrupted engine gives them once more. With
+the deferral switched off (`interrupts._install` a no-op) the aimed tests fail: those are the
+defects (block freed twice or leaked, a placeholder left, a request neither running nor
+waiting, an ending lost from the trace).
 """
 import os
 import random
@@ -23,7 +28,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from helpers import tiny_llm
 from pagedlab import SamplingParams, interrupts
