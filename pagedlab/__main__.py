@@ -37,7 +37,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        d = action.default
+        shown = not (d is None or d is False or d is argparse.SUPPRESS) and action.option_strings
         if shown and "default" not in text:
             text += " (default: %(default)s)"
         return text
@@ -91,7 +92,7 @@ def check_args(args) -> None:
     if not math.isfinite(args.temperature) or args.temperature < 0:
         fail(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.slots < 1:
-        fail(f"--slots must be >= 1, got {args.slots}")
+        fail(f"--slots (--max-num-seqs) must be >= 1, got {args.slots}")
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check_memory_fraction(args)
@@ -138,7 +139,6 @@ def _llm(args, **kw):
     from .llm import LLM
     if args.gpu_memory_utilization is not None:
         kw["memory_fraction"] = args.gpu_memory_utilization
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
                attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
@@ -146,6 +146,7 @@ def _llm(args, **kw):
 
 def demo(args) -> None:
     from .sampling import SamplingParams
+    print(f"loading {args.model} ...", flush=True)
     llm = _llm(args, trace=True)
     eng = llm.engine
     print(f"model: {llm.checkpoint.source} on {eng.device} ({str(eng.dtype).replace('torch.', '')}), "
@@ -198,7 +199,7 @@ def check_serve_args(args) -> None:
     if not args.model.strip():
         fail("--model must name a model, got an empty string")
     if args.slots < 1:
-        fail(f"--slots must be >= 1, got {args.slots}")
+        fail(f"--slots (--max-num-seqs) must be >= 1, got {args.slots}")
     check_memory_fraction(args)
     if args.max_waiting < 0:
         fail(f"--max-waiting must be >= 0 (requests queued beyond the slots before 503), got {args.max_waiting}")
@@ -270,13 +271,13 @@ def build_parser() -> ArgumentParser:
         sp.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
         sp.add_argument("--dtype", default=None,
                         help="bfloat16, float16 or float32 (default: bf16 on GPUs of compute capability 8.0+, fp16 below, e.g. a T4; fp32 on cpu)")
-        sp.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=2,
+        sp.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=2, metavar="N",
                         help="max sequences decoding together (>= 1)")
-        sp.add_argument("--gpu-memory-utilization", type=float, default=None,
+        sp.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                         help=f"share of free GPU memory for the KV pool, in (0, 1] (default: "
                              f"{EngineConfig.memory_fraction}; on cpu the pool holds every slot at full length)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
-        sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int,
+        sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",
                         default=DEFAULT_MAX_TOKENS, help="new tokens per answer at most (>= 1)")
         sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
         sp.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -287,25 +288,31 @@ def build_parser() -> ArgumentParser:
     d = sub.add_parser("demo", help="the four prompts of the original engine, 2 slots")
     common(d)
     d.add_argument("prompts", nargs="*", metavar="PROMPT")
-    g = sub.add_parser("generate", help="answer prompts")
+    g = sub.add_parser("generate", help="answer prompts",
+                       description="Answer prompts (chat template on, greedy, at most --max-tokens new "
+                                   "tokens: the Python defaults; README: Defaults).")
     common(g)
     g.add_argument("prompts", nargs="+", metavar="PROMPT")
     g.add_argument("--top-k", type=int, default=0, help=">= 0 (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (1 = off)")
-    g.add_argument("--seed", type=int, default=None, help="in [0, 2**63)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="in [0, 2**63) (default: drawn from the engine's seed, 0: runs repeat)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
-                                     "/v1/completions, /v1/models, /metrics, /health)")
+                                     "/v1/completions, /v1/models, /metrics, /health)",
+                       description="An OpenAI-compatible HTTP server. A request's defaults are OpenAI's: "
+                                   "temperature 1.0; max_tokens 16 on /v1/completions and the rest of the "
+                                   "context on /v1/chat/completions (README: Defaults).")
     s.add_argument("--model", default="smollm2", help="as for demo/generate")
     s.add_argument("--served-model-name", default=None,
                    help="the name clients give as 'model' (default: --model)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port")
     s.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
-    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32")
-    s.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=8,
+    s.add_argument("--dtype", default=None, help="bfloat16, float16 or float32 (default: as for demo/generate)")
+    s.add_argument("--slots", "--max-num-seqs", dest="slots", type=int, default=8, metavar="N",
                    help="max sequences decoding together (>= 1)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+    s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="share of free GPU memory for the KV pool, in (0, 1] (default: "
                         f"{EngineConfig.memory_fraction})")
     s.add_argument("--max-waiting", type=int, default=256,

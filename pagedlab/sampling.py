@@ -19,7 +19,7 @@ _M32 = 0xFFFFFFFF
 _INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
 _MAX_TEMPERATURE = 1e4
-_DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_MAX_TOKENS = 64
 MAX_N = 128                               # samples per prompt
 MAX_LOGPROBS = 20                         # alternatives per token (OpenAI's limit)
 MAX_STOP_STRINGS = 16
@@ -112,7 +112,7 @@ class SamplingParams:
                     distribution, before temperature and penalties).
     Booleans are refused wherever a number is expected.
     """
-    max_new_tokens: int = _DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0          # 0 -> greedy
     top_k: int = 0                    # 0 -> off
     top_p: float = 1.0                # 1 -> off

@@ -56,6 +56,11 @@ BAD = [
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--data-parallel-size", "-1"], "--data-parallel-size"),
     (["--tensor-parallel-size", "two"], "--tensor-parallel-size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--max-tokens", "0"], "--max-new-tokens"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
 ]
 
 
@@ -117,7 +122,46 @@ def test_good_arguments_generate(capsys):
     assert cli.main(["generate", "--model", "random:tiny", "--device", "cpu", "--dtype", "fp32",
                      "--max-new-tokens", "3", "--seed", str(2 ** 63 - 1), "--temperature", "0.5",
                      "--top-p", "1", "--top-k", "5", "hi"]) == 0
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "[stopped at 3 tokens (max_tokens); pass --max-tokens N for more]\n"
+
+
+def test_vllm_flag_names_reach_the_engine(monkeypatch, capsys):
+    import pagedlab.llm
+    built = {}
+
+    class Recorder(pagedlab.llm.LLM):
+        def __init__(self, *a, **kw):
+            built.update(kw)
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(pagedlab.llm, "LLM", Recorder)
+    assert cli.main(["generate", "--model", "random:tiny", "--device", "cpu", "--max-num-seqs", "3",
+                     "--gpu-memory-utilization", "0.3", "--max-tokens", "2", "hi", "there"]) == 0
+    assert built["max_num_seqs"] == 3 and built["memory_fraction"] == 0.3
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 2
+    assert err == "[stopped at 2 tokens (max_tokens) (answers 1, 2); pass --max-tokens N for more]\n"
+
+
+@pytest.mark.parametrize("cmd,shown", [
+    ("generate", ["--max-tokens N, --max-new-tokens N", "(default: 64)", ">= 0 (0 = greedy) (default: 0.0)",
+                  "(default: 2)", "(default: 0.5"]),
+    ("demo", ["(default: 64)", "(default: 0.0)"]),
+    ("serve", ["temperature 1.0; max_tokens 16 on /v1/completions", "(default: 8)", "(default: 256)",
+               "(default: 8000)"]),
+])
+def test_help_shows_the_defaults(cmd, shown, capsys):
+    from pagedlab import SamplingParams
+    assert SamplingParams().max_tokens == 64 and SamplingParams().temperature == 0.0   # the Python door's
+    with pytest.raises(SystemExit):
+        cli.main([cmd, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for s in shown:
+        assert s in text, (cmd, s)
+
+
+def test_bench_serve_writes_outside_the_repository_by_default():
+    from pagedlab.bench import serve as bench_serve
+    assert bench_serve.build_parser().parse_args(["--url", "http://x"]).out == "out"
 
 
 # ------------------------------------------------------------------ benchmarks

@@ -52,6 +52,8 @@ def test_demo_on_a_tiny_random_model():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("finished: length") == 4
     assert "slot  2 |" in r.stdout and "slot utilization" in r.stdout
+    assert r.stdout.startswith("loading random:tiny ...\n")          # said before the wait, not after
+    assert "stopped at 5 tokens (max_tokens) (answers 1, 2, 3, 4); pass --max-tokens N for more" in r.stderr
 
 
 @pytest.mark.parametrize("args,msg", [
