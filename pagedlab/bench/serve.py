@@ -375,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT at most this")
     p.add_argument("--warmup", type=int, default=1, help="requests sent first, not measured")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per request")
-    p.add_argument("--out", default="figures", help="where serve_bench.json / .png go")
+    p.add_argument("--out", default="out", help="where serve_bench.json / .png go (default: ./out; "
+                                               "the README's figures come from --out figures)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-stream", action="store_true", help="whole answers (stream: false) instead of SSE")
     p.add_argument("--serve", default=None, metavar="ARGS",
