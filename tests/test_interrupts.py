@@ -528,3 +528,34 @@ def test_sigint_at_random_moments(config, device):
         finished = [rid for s in eng.trace.steps for rid in s.finished]
         assert len(finished) == len(set(finished)) == len(everyone), "the trace lost or repeated an ending"
 
+
+
+@pytest.mark.parametrize("config", ["plain", "overlap+prefix", "trace+prefix"])
+def test_generate_interrupted_then_rerun(config):
+    """The notebooks' way: llm.generate(...) stopped by a Ctrl-C at a random moment, then run
+    again -- the rerun gives the clean outputs, and nothing is left behind."""
+    rnd = random.Random(config)
+    prompts = [[rnd.randrange(3, 512) for _ in range(rnd.randint(2, 30))] for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rnd.randint(1, 12), ignore_eos=True) for _ in prompts]
+    kw = dict(max_num_seqs=3, block_size=4, num_blocks=24, dtype="float32") | CONFIGS[config]
+    clean = tiny_llm(**kw)
+    t0 = time.perf_counter()
+    want = [o.token_ids for o in clean.generate(prompts, params)]
+    duration = time.perf_counter() - t0
+    llm = tiny_llm(**kw)
+    everyone, add = [], llm.engine.scheduler.add
+    llm.engine.scheduler.add = lambda req: (everyone.append(req), add(req))
+    main, interrupted = threading.main_thread().ident, 0
+    for _ in range(6):
+        timer = threading.Timer(rnd.uniform(0, duration), signal.pthread_kill, (main, signal.SIGINT))
+        try:
+            timer.start()
+            llm.generate(prompts, params)
+            timer.join()              # (a signal after generate returned is raised here)
+        except KeyboardInterrupt:
+            interrupted += 1
+            timer.join()
+        check_books(llm.engine, everyone)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_used == 0
+    assert interrupted == 6
