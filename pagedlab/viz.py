@@ -396,6 +396,9 @@ class _StepPainter:
         self.ax_tl = self.fig.add_subplot(gs[0, :3])
         draw_timeline(trace, ax=self.ax_tl, legend=False, title="")
         self.ax_tl.tick_params(labelsize=f - 1)
+        if not steps or not steps[0].step:          # (a trace that dropped steps labels its own numbers)
+            from matplotlib.ticker import MaxNLocator
+            self.ax_tl.xaxis.set_major_locator(MaxNLocator(integer=True))
         self.ax_tl.xaxis.label.set_size(f - 0.5)
         self.cursor = self.ax_tl.axvline(0.5, color="black", linewidth=1.8)
         self.dynamic = [self.cursor]        # what paint() changes, in drawing order (see frames())
@@ -577,8 +580,8 @@ class _StepPainter:
                         t.set_color("black" if b in s.block_refs else _ink(request_color(rid)))
         self.bt_img.set_data(self._colors(owners, shared).reshape(self.n_slots, self.cols, 3))
         self.ax_bt.set_title("block table (physical block ids)" + (
-            f"\nprefix cache: hit rate {s.hit_rate:.0%} ({s.prefix_hits}/{s.prefix_queries} tokens); "
-            "gold = shared by several requests" if caching else ""), fontsize=f + 0.5, loc="left")
+            f"\nprefix cache hit rate {s.hit_rate:.0%} ({s.prefix_hits}/{s.prefix_queries} tokens)"
+            if caching else ""), fontsize=f + 0.5, loc="left")
         # pool
         n = s.pool_total
         if self.pool_text is not None:
