@@ -34,6 +34,7 @@ import asyncio
 import collections
 import queue
 import threading
+import time
 import traceback
 from dataclasses import replace
 
@@ -89,7 +90,7 @@ class CoreThread:
                 self._take_commands(block=not core.has_work())
                 if core.has_work():
                     step = core.step()
-                    if step.updates:
+                    if step.request_ids:
                         self._deliver(("step", step))
         except BaseException as e:              # the engine itself failed: every stream learns it
             self._deliver(("died", f"the engine stopped: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -97,7 +98,7 @@ class CoreThread:
         core.abort(list(core.sent))             # shut down: nothing is left running
         while core.has_work():
             step = core.step()
-            if step.updates:
+            if step.request_ids:
                 self._deliver(("step", step))
 
     def _take_commands(self, block: bool) -> None:
@@ -185,6 +186,7 @@ class AsyncLLM:
         self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
+        self._output_s = 0.0                # time in _read: what the front end spends per step
         self.on_core_death = None           # called once, on the loop, when a core dies
 
     # -- what the server reads -----------------------------------------------------------------
@@ -201,6 +203,7 @@ class AsyncLLM:
         for s in per_core:
             for k, v in s.items():
                 total[k] = total.get(k, 0) + v
+        total["frontend_output_s"] = self._output_s
         if "prefix_queries" in total:
             total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         return total
@@ -304,12 +307,14 @@ class AsyncLLM:
 
     def _read(self, k: int) -> None:
         core = self.cores[k]
+        t0 = time.perf_counter()
         for msg in core.messages():
             if msg[0] == "step":
                 self._on_step(k, msg[1])
             elif msg[0] == "died":
                 self._on_death(k, msg[1])
-                return
+                break
+        self._output_s += time.perf_counter() - t0
 
     def _on_step(self, k: int, step) -> None:
         if step.stats:

@@ -86,25 +86,54 @@ def core_main(inbox, outbox, llm_kwargs: dict, env: dict) -> None:
 
 
 def run_core(core, inbox, outbox) -> None:
-    """schedule -> run -> accept, with the inbox read between steps (blocking only when idle)."""
+    """schedule -> run -> accept, with the inbox read between steps (blocking only when idle). Step
+    outputs leave through a writer thread: a front end that reads late never holds up a step (its
+    messages queue here and it takes them all at once). Where the core's time goes (idle, inbox,
+    steps, handing out) is counted in core.timing, sent with every step's stats (/metrics)."""
+    sendq: queue.SimpleQueue = queue.SimpleQueue()
+    writer = threading.Thread(target=_write_outbox, args=(sendq, outbox), name="core-writer", daemon=True)
+    writer.start()
+    timing = core.timing
+    clock = time.perf_counter
+    try:
+        while True:
+            t0 = clock()
+            if not core.has_work():
+                inbox.poll(None)                 # sleep until a message (or end-of-file) arrives
+            t1 = clock()
+            while inbox.poll():
+                msg = inbox.recv()               # EOFError: the front end is gone
+                if msg[0] == "add":
+                    core.add(msg[1])
+                elif msg[0] == "abort":
+                    core.abort(msg[1])
+                elif msg[0] == "stop":
+                    core.abort(list(core.sent))
+                    if core.has_work():
+                        sendq.put(("step", core.step()))
+                    return
+            t2 = clock()
+            timing["idle_s"] += t1 - t0
+            timing["inbox_s"] += t2 - t1
+            if core.has_work():
+                step = core.step()
+                if step.request_ids:
+                    sendq.put(("step", step))
+                timing["handout_s"] += clock() - t2 - core.last_step_s
+    finally:
+        sendq.put(None)
+        writer.join(10.0)
+
+
+def _write_outbox(sendq, outbox) -> None:
     while True:
-        if not core.has_work():
-            inbox.poll(None)                 # sleep until a message (or end-of-file) arrives
-        while inbox.poll():
-            msg = inbox.recv()               # EOFError: the front end is gone
-            if msg[0] == "add":
-                core.add(msg[1])
-            elif msg[0] == "abort":
-                core.abort(msg[1])
-            elif msg[0] == "stop":
-                core.abort(list(core.sent))
-                if core.has_work():
-                    outbox.send(("step", core.step()))
-                return
-        if core.has_work():
-            step = core.step()
-            if step.updates:
-                outbox.send(("step", step))
+        msg = sendq.get()
+        if msg is None:
+            return
+        try:
+            outbox.send(msg)
+        except OSError:                       # the front end is gone: the main loop sees EOF
+            return
 
 
 class CoreProcess:

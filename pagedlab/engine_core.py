@@ -16,16 +16,8 @@ from __future__ import annotations
 
 import time
 
-from .output_processor import Finished, RequestUpdate, StepOutput
+from .output_processor import Finished, StepOutput
 from .request import PENDING
-
-
-def num_known(out: list[int]) -> int:
-    """How many output tokens are real (the overlap loop's launched-but-unread tokens are not)."""
-    n = len(out)
-    while n and out[n - 1] == PENDING:
-        n -= 1
-    return n
 
 
 class EngineCore:
@@ -33,8 +25,10 @@ class EngineCore:
         self.engine = engine
         self.sent: dict[int, int] = {}        # request id -> output tokens handed out so far
         self.foreign: list = []               # finished requests this core did not add
-        self.ended: list[RequestUpdate] = []  # endings not handed out yet (aborted between steps)
+        self.ended = StepOutput()             # endings not handed out yet (aborted between steps)
         self.num_steps, self.step_seconds, self.step_sequences = 0, 0.0, 0   # since start (/metrics)
+        self.last_step_s = 0.0
+        self.timing = {"idle_s": 0.0, "inbox_s": 0.0, "handout_s": 0.0}   # a core process's loop
 
     def add(self, items) -> list[int]:
         """items: (request_id, token ids, text, params) as checked by the front end; a request_id
@@ -56,49 +50,54 @@ class EngineCore:
         next step's output; the engine keeps none of them for its next step()."""
         aborted = [rid for rid in request_ids if self.engine.abort(rid)]
         if aborted:
-            self.ended += self._endings(self.engine.scheduler.take_finished())
+            self.ended.extend(self._endings(self.engine.scheduler.take_finished()))
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self.ended)
+        return self.engine.has_work() or bool(self.ended.request_ids)
 
     def step(self) -> StepOutput:
         """One engine step; every request that got tokens or ended, once."""
         eng = self.engine
         t0 = time.perf_counter()
         finished = eng.step()
-        self.step_seconds += time.perf_counter() - t0
+        self.last_step_s = time.perf_counter() - t0
+        self.step_seconds += self.last_step_s
         self.num_steps += 1
-        sched, sent = eng.scheduler, self.sent
-        updates = []
-        for req in sched.admitted:
+        sent, out = self.sent, self.ended
+        self.ended = StepOutput()
+        rids, tokens = out.request_ids, out.token_ids
+        for req in eng.scheduler.admitted:
             have = sent.get(req.request_id)
             if have is None:
                 continue
-            out = req.output_token_ids
-            n = num_known(out)
+            ids = req.output_token_ids
+            n = len(ids)
+            while n and ids[n - 1] == PENDING:
+                n -= 1
             if n > have:
-                updates.append(RequestUpdate(req.request_id, out[have:n], self._logprobs(req, have, n)))
+                rids.append(req.request_id)
+                tokens.append(ids[have:n])
+                if req.params.logprobs is not None:
+                    out.logprobs[req.request_id] = req.logprobs[have:n]
                 sent[req.request_id] = n
-        self.step_sequences += len(updates)
-        updates += self._endings(finished)
-        if self.ended:
-            updates[:0], self.ended = self.ended, []
-        return StepOutput(updates, self.stats())
+        self.step_sequences += len(rids)
+        out.extend(self._endings(finished))
+        out.stats = self.stats()
+        return out
 
-    def _endings(self, finished) -> list[RequestUpdate]:
+    def _endings(self, finished) -> StepOutput:
         """Finished requests -> their last tokens and how they ended (foreign ones set aside)."""
-        updates = []
+        out = StepOutput()
         for req in finished:
             have = self.sent.pop(req.request_id, None)
             if have is None:
                 self.foreign.append(req)
                 continue
-            out = req.output_token_ids
-            updates.append(RequestUpdate(
-                req.request_id, out[have:], self._logprobs(req, have, len(out)),
-                Finished(req.finish_reason, req.stop_token_id, req.error, req.num_cached_tokens,
-                         req.num_preemptions)))
-        return updates
+            ids = req.output_token_ids
+            out.add(req.request_id, ids[have:], self._logprobs(req, have, len(ids)),
+                    Finished(req.finish_reason, req.stop_token_id, req.error, req.num_cached_tokens,
+                             req.num_preemptions))
+        return out
 
     @staticmethod
     def _logprobs(req, a: int, b: int):
@@ -110,7 +109,7 @@ class EngineCore:
         alloc = sched.allocator
         s = dict(running=len(sched.admitted), waiting=len(sched.waiting), kv_used=alloc.num_used,
                  kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
-                 step_sequences=self.step_sequences)
+                 step_sequences=self.step_sequences, **{f"core_{k}": v for k, v in self.timing.items()})
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):
             if hasattr(alloc, attr):
                 s[attr] = float(getattr(alloc, attr))

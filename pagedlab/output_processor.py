@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .sampling import SamplingParams
 from .streaming import IncrementalDetokenizer, StreamDelta
@@ -26,8 +27,7 @@ from .streaming import IncrementalDetokenizer, StreamDelta
 
 # -- what crosses from the core, once per step ---------------------------------------------------
 
-@dataclass
-class Finished:
+class Finished(NamedTuple):
     """How a request ended, as the core saw it."""
     reason: str                      # "stop" (a stop token), "length", "abort" or "error"
     stop_token_id: int | None = None
@@ -37,19 +37,29 @@ class Finished:
 
 
 @dataclass
-class RequestUpdate:
-    """One request's part of a step: its new tokens (and their logprobs), and how it ended if it did."""
-    request_id: int
-    token_ids: list[int]
-    logprobs: list | None = None
-    finished: Finished | None = None
-
-
-@dataclass
 class StepOutput:
-    """Everything one engine step hands to the front end: one message, whatever the batch size."""
-    updates: list[RequestUpdate]
+    """Everything one engine step hands to the front end: one message, whatever the batch size.
+    Column by column (lists of ints pickle ten times faster than a list of small objects): the
+    requests that moved, their new tokens, the logprobs of those that asked, the ones that ended."""
+    request_ids: list[int] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    finished: dict[int, Finished] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)      # requests running/waiting, KV blocks (for /metrics)
+
+    def add(self, request_id: int, token_ids: list[int], logprobs=None, finished: Finished | None = None):
+        self.request_ids.append(request_id)
+        self.token_ids.append(token_ids)
+        if logprobs is not None:
+            self.logprobs[request_id] = logprobs
+        if finished is not None:
+            self.finished[request_id] = finished
+
+    def extend(self, other: "StepOutput") -> None:
+        self.request_ids += other.request_ids
+        self.token_ids += other.token_ids
+        self.logprobs.update(other.logprobs)
+        self.finished.update(other.finished)
 
 
 # -- what a caller gets --------------------------------------------------------------------------
@@ -193,27 +203,23 @@ class OutputProcessor:
         updates for requests nobody follows (ended here already) are dropped."""
         now = time.perf_counter()
         changed, to_abort = [], []
-        for u in step.updates:
-            state = self.states.get(u.request_id)
+        states, logprobs, finished = self.states, step.logprobs, step.finished
+        for rid, ids in zip(step.request_ids, step.token_ids):
+            state = states.get(rid)
             if state is None:
                 continue
-            hit = self.add_tokens(state, u, now)
+            done = finished.get(rid)
+            hit = state.add_tokens(ids, logprobs.get(rid), now) if ids else None
             if hit is not None:
                 state.finish("stop", self.stop_sources, text_end=hit[0], stop_string=hit[1])
-                if u.finished is None:
-                    to_abort.append(u.request_id)
-            elif u.finished is not None:
-                state.finish(u.finished.reason, self.stop_sources, done=u.finished)
+                if done is None:
+                    to_abort.append(rid)
+            elif done is not None:
+                state.finish(done.reason, self.stop_sources, done=done)
             if state.output is not None:
-                del self.states[u.request_id]
+                del states[rid]
             changed.append(state)
         return changed, to_abort
-
-    @staticmethod
-    def add_tokens(state: RequestState, u: RequestUpdate, now: float):
-        if not u.token_ids:
-            return None
-        return state.add_tokens(u.token_ids, u.logprobs, now)
 
     def abort_all(self, reason: str, error: str | None = None) -> list[RequestState]:
         """End every followed request at once (the core is gone): each gets `reason`."""

@@ -256,20 +256,24 @@ def engine_counters(url: str) -> dict | None:
     except httpx.HTTPError:
         return None
     vals = {}
-    for name in ("steps", "step_seconds", "step_sequences"):
-        for line in text.splitlines():
-            if line.startswith(f"pagedlab_engine_{name} "):
-                vals[name] = float(line.split()[1])
-    return vals if len(vals) == 3 else None
+    names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "core_idle_seconds",
+             "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds")
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("pagedlab_") and name[9:] in names:
+            vals[name[9:]] = float(value)
+    return vals if "engine_steps" in vals else None
 
 
 def engine_step(before: dict | None, after: dict | None) -> dict:
     """The engine's mean step time and batch over a run, from its counters (pagedlab only)."""
-    if not before or not after or after["steps"] <= before["steps"]:
+    if not before or not after or after["engine_steps"] <= before["engine_steps"]:
         return {"engine_step_ms": None, "engine_batch": None}
-    n = after["steps"] - before["steps"]
-    return {"engine_step_ms": 1e3 * (after["step_seconds"] - before["step_seconds"]) / n,
-            "engine_batch": (after["step_sequences"] - before["step_sequences"]) / n}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    n = d.pop("engine_steps")
+    return {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
+            "engine_batch": d["engine_step_sequences"] / n,
+            "seconds": {k: v for k, v in d.items() if k.endswith("seconds")}}
 
 
 async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> dict:
@@ -460,6 +464,10 @@ def main(argv=None) -> int:
             f"SLO TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms"
     plot(results, out / "serve_bench.png", title)
     print(table(results))
+    for r in results:
+        if r.get("seconds"):
+            print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
+                  + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()))
     if offline:
         print(f"offline (LLM.generate, the same {len(jobs)} requests at once): "
               f"{offline['output_throughput']:.1f} tok/s, TTFT p99 {offline['ttft_ms']['p99']:.1f} ms; "

@@ -48,7 +48,12 @@ class ServerMetrics:
                 ("pagedlab_engine_steps", "steps", "engine steps since start (all cores)"),
                 ("pagedlab_engine_step_seconds", "step_seconds", "seconds the cores spent in steps since start"),
                 ("pagedlab_engine_step_sequences", "step_sequences",
-                 "sequences that got a token, summed over steps (/ steps: the mean decode batch)")):
+                 "sequences that got a token, summed over steps (/ steps: the mean decode batch)"),
+                ("pagedlab_core_idle_seconds", "core_idle_s", "seconds the cores waited for work"),
+                ("pagedlab_core_inbox_seconds", "core_inbox_s", "seconds the cores took in requests and aborts"),
+                ("pagedlab_core_handout_seconds", "core_handout_s", "seconds the cores spent handing out steps"),
+                ("pagedlab_frontend_output_seconds", "frontend_output_s",
+                 "seconds the front end spent on the cores' step outputs (detokenizing is the callers')")):
             Gauge(name, doc, registry=reg).set_function(lambda key=key: stats().get(key, 0))
         if "prefix_queries" in stats():          # only an allocator with a prefix cache has them
             for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
