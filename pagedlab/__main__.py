@@ -139,6 +139,8 @@ def _llm(args, **kw):
     from .llm import LLM
     if args.gpu_memory_utilization is not None:
         kw["memory_fraction"] = args.gpu_memory_utilization
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
                attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
@@ -237,6 +239,8 @@ def serve(args) -> None:
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.prefix_caching:
         kw["prefix_caching"] = True
+    if args.quantization:
+        kw["quantization"] = args.quantization
     if args.gpu_memory_utilization is not None:
         kw["memory_fraction"] = args.gpu_memory_utilization
     name = args.served_model_name or args.model
@@ -277,6 +281,8 @@ def build_parser() -> ArgumentParser:
                         help=f"share of free GPU memory for the KV pool, in (0, 1] (default: "
                              f"{EngineConfig.memory_fraction}; on cpu the pool holds every slot at full length)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
+        sp.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
         sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",
                         default=DEFAULT_MAX_TOKENS, help="new tokens per answer at most (>= 1)")
         sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
@@ -321,6 +327,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--prefix-caching", action="store_true",
                    help="share the KV blocks of equal prompt prefixes between requests")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
+    s.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
     s.add_argument("--data-parallel-size", type=int, default=1,
