@@ -221,7 +221,7 @@ class Engine:
         with deferred():
             batch = self._step()
             self.timer.totals["steps"] += 1
-            if self.trace is not None and not batch.empty:
+            if self.trace is not None and (not batch.empty or self.scheduler.finished):
                 self.trace.append(self._record(batch, self.scheduler.finished, t_start))
             if into is not None:
                 finished = self.scheduler.take_finished()

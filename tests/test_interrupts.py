@@ -163,11 +163,12 @@ def engine_for(config, **kw):
     return llm.engine
 
 
-def run_stream(eng, stream, step, everyone=None):
+def run_stream(eng, stream, step, everyone=None, aborts=None):
     """Feed the stream at its arrival steps; `step(eng, got, everyone)` runs one step, appending
     what it hands out to `got`. Returns prompt index -> finished Request; checks each is handed
     out once and that nothing is left held. everyone: every request this engine ever ran (the
-    prefix cache's keys come from all of them)."""
+    prefix cache's keys come from all of them). aborts: prompt index -> the step before which it
+    is aborted (if it has not finished)."""
     prompts, params, arrival = stream
     order = sorted(range(len(prompts)), key=lambda i: arrival[i])
     everyone = [] if everyone is None else everyone
@@ -178,6 +179,9 @@ def run_stream(eng, stream, step, everyone=None):
             ids[rid] = order[k]
             everyone.append(eng.scheduler.requests[rid])
             k += 1
+        for rid, i in ids.items():
+            if (aborts or {}).get(i) == n:
+                eng.abort(rid)
         step(eng, got, everyone)
         n += 1
     handed = [r.request_id for r in got]
@@ -189,7 +193,7 @@ def run_stream(eng, stream, step, everyone=None):
     check_books(eng, everyone)
     for r in got:
         assert r.status is RequestStatus.FINISHED and PENDING not in r.output_token_ids
-        assert r.finish_reason in ("stop", "length")
+        assert r.finish_reason in ("stop", "length") or (aborts and r.finish_reason == "abort")
     return {ids[r.request_id]: r for r in got}
 
 
@@ -199,6 +203,19 @@ def plain_step(eng, got, everyone):
 
 def outputs(done):
     return {i: (r.output_token_ids, r.finish_reason) for i, r in done.items()}
+
+
+def assert_clean(done, want) -> int:
+    """Each output equals the clean run's; an aborted one, the beginning of it. Returns how many
+    were aborted."""
+    assert sorted(done) == sorted(want)
+    for i, r in done.items():
+        tokens, reason = want[i]
+        if r.finish_reason == "abort":
+            assert r.output_token_ids == tokens[:len(r.output_token_ids)], i
+        else:
+            assert (r.output_token_ids, r.finish_reason) == (tokens, reason), i
+    return sum(r.finish_reason == "abort" for r in done.values())
 
 
 # -- the mechanism itself ------------------------------------------------------------------------
@@ -354,18 +371,22 @@ class SiteSweep:
 
 def sweep_rounds(config, hook, rounds, seed=0, into=True, **engine_kw):
     """`rounds` random streams, one after another on one engine (device: PureDevice) driven by a
-    SiteSweep; each stream's outputs must equal a clean engine's, and after the last one the
-    same stream again, undisturbed. Returns the engine. With until_covered: stop early once every
-    site reached has had its signal."""
+    SiteSweep, three requests of each aborted at random steps; each stream's outputs must equal
+    a clean engine's (an aborted one: its beginning), and after the last one the same stream
+    again, undisturbed. A hook aimed at some functions only (only_in) stops the rounds once each
+    of their sites reached has had its signal. Returns the engine."""
     clean, eng = engine_for(config, **engine_kw), engine_for(config, **engine_kw)
     clean.runner, eng.runner = PureDevice(clean.runner), PureDevice(eng.runner)
-    sweep, everyone = SiteSweep(hook, seed, into), []
+    sweep, everyone, aborted = SiteSweep(hook, seed, into), [], 0
     for r in range(rounds):
         stream = make_stream(100 * seed + r, "prefix" in config)
         want = outputs(run_stream(clean, stream, plain_step))
-        assert outputs(run_stream(eng, stream, sweep, everyone)) == want
+        rnd = random.Random(r)
+        aborts = {i: rnd.randint(0, 12) for i in rnd.sample(range(len(stream[0])), 3)}
+        aborted += assert_clean(run_stream(eng, stream, sweep, everyone, aborts), want)
         if r and hook.only_in and hook.seen == hook.fired:
             break
+    assert aborted > 0
     assert outputs(run_stream(eng, stream, plain_step, everyone)) == want     # the next run is clean
     assert sweep.interrupts > 0
     if eng.overlap:
@@ -406,7 +427,7 @@ DEFECTS = {    # name: (config, functions, engine settings)
 def test_a_signal_anywhere_in_the_function_that_broke(defect):
     config, functions, kw = DEFECTS[defect]
     hook = SignalAt(BOOKKEEPING - {RUNNER, INTERRUPTS}, only_in=functions)
-    sweep_rounds(config, hook, rounds=8, seed=1, **kw)
+    sweep_rounds(config, hook, rounds=20, seed=1, **kw)
     names = {n for _, n, _ in hook.fired_names}
     assert names >= functions - {"__init__", "make_room"}, names
     assert hook.fired == hook.seen, f"{len(hook.seen - hook.fired)} sites never got a signal"
