@@ -34,6 +34,9 @@ class CheckFailed(Exception):
                 for i, line in enumerate(str(self).splitlines())]
 
 
+KERNELS_FILE = "pieces_kernels.py"          # the Triton kernels' solutions (they need Triton)
+
+
 def solutions_on() -> bool:
     return os.environ.get("PAGEDLAB_SOLUTIONS", "0").lower() in ("1", "true", "yes")
 
@@ -55,12 +58,15 @@ def solution(name: str, pieces_file: str = "pieces.py"):
     spec = importlib.util.spec_from_file_location(f"pagedlab_course_{Path(pieces_file).stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    if not hasattr(mod, name) and pieces_file == "pieces.py":
+        return solution(name, KERNELS_FILE)              # the Triton kernels have a file of their own
     return getattr(mod, name)
 
 
 def show_solution(name: str) -> None:
     """Print the solution of piece `name`, to read (it does not replace yours)."""
-    print(inspect.getsource(solution(name)))
+    sol = solution(name)
+    print(inspect.getsource(getattr(sol, "fn", sol)))     # a Triton kernel: the function it wraps
 
 
 def _pick(fn, name: str, find_solution=None):
@@ -575,3 +581,79 @@ def check_decode_one(fn, trials: int = 12, seed: int = 0):
                         f"the sum l and acc, rescaling both by exp(m_old - m_new) when m grows.")
     _passed("decode_one", f"{trials} random paged caches agree with pagedlab's decode_attention_torch")
     return fn
+
+
+# -- notebook 04: a Triton kernel the learner completes ------------------------------------------------
+
+
+def check_rmsnorm_kernel(kernel, seed: int = 0):
+    """`kernel[(rows,)](x, w, out, H, eps, BLOCK=next_power_of_2(H))`: RMSNorm of each row of x
+    [rows, H] into out, one program per row, against pagedlab's rms_norm_torch on row lengths that
+    are and are not powers of two (1, 5, 16, 33, 100), several rows, a row of zeros (eps) and large
+    values. Runs on the GPU, or in Triton's interpreter on a CPU (TRITON_INTERPRET=1)."""
+    import torch
+    import triton
+    from .kernels.rmsnorm import rms_norm_torch
+    kernel = _pick(kernel, "rmsnorm_kernel", lambda name: solution(name, KERNELS_FILE))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(seed)
+    eps = 1e-5
+    cases = [(1, 1), (3, 5), (4, 16), (2, 33), (5, 100)]
+    for rows, h in cases:
+        x = torch.randn(rows, h, generator=g)
+        if rows >= 3:
+            x[1] = 0.0                               # a row of zeros: only eps keeps it finite
+        if rows >= 4:
+            x[2] *= 1e3                              # large values: the mean of squares in fp32
+        w = torch.rand(h, generator=g) + 0.5
+        x, w = x.to(device), w.to(device)
+        out = torch.full_like(x, float("nan"))
+        block = triton.next_power_of_2(h)
+        try:
+            kernel[(rows,)](x, w, out, h, eps, BLOCK=block)
+        except NotImplementedError as e:
+            raise CheckFailed(_not_written("rmsnorm_kernel", e)) from None
+        except Exception as e:
+            raise CheckFailed(f"rmsnorm_kernel on x of shape ({rows}, {h}) raised {type(e).__name__}: "
+                              f"{str(e)[:500]}") from None
+        want = rms_norm_torch(x, w, eps)
+        if torch.allclose(out, want, atol=1e-5, rtol=1e-5):
+            continue
+        if bool(out.isnan().all()):
+            raise CheckFailed(_not_written("rmsnorm_kernel", "it stored nothing: out is still all NaN"))
+        where = f"rmsnorm_kernel on x of shape ({rows}, {h}) (BLOCK={block})"
+        raise CheckFailed(f"{where}: {_rmsnorm_diagnosis(x, w, out, want, eps, block)}")
+    _passed("rmsnorm_kernel", f"{len(cases)} shapes (rows of 1 to 100, powers of two or not, a zero row, "
+            "large values) equal pagedlab's rms_norm_torch")
+    return kernel
+
+
+def _rmsnorm_diagnosis(x, w, out, want, eps, block) -> str:
+    """What is wrong with out (expected: want), named by the likely bug."""
+    import torch
+    rows, h = x.shape
+    bad = ~torch.isclose(out, want, atol=1e-5, rtol=1e-5)
+    bad_rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
+    head = (f"rows {bad_rows} differ; row {bad_rows[0]}: got {out[bad_rows[0], :4].tolist()} ..., "
+            f"expected {want[bad_rows[0], :4].tolist()} ...\n")
+    ms = (x.float() ** 2).sum(-1, keepdim=True)
+
+    def close(a):
+        return bool(torch.allclose(out, a.to(out.dtype), atol=1e-5, rtol=1e-5, equal_nan=True))
+    if out.isnan().any() and not out.isnan().all():
+        if want[out.isnan().any(-1)].isfinite().all() and (x == 0).all(-1)[out.isnan().any(-1)].all():
+            return head + "Hint: a row of zeros gives NaN: add eps inside the square root, 1 / sqrt(mean(x\u00b2) + eps)."
+        return head + ("Hint: some elements were never stored: store all H values of every row "
+                       "(out_ptr + row * H + offs, with mask = offs < H).")
+    if not out.isfinite().all():
+        return head + "Hint: a row of zeros gives inf: add eps inside the square root, 1 / sqrt(mean(x\u00b2) + eps)."
+    if close(x * torch.rsqrt(ms / block + eps) * w):
+        return head + f"Hint: the mean of x\u00b2 divides by H = {h}, the row's length -- not by BLOCK = {block}."
+    if close(x * torch.rsqrt(ms / h + eps)):
+        return head + "Hint: multiply by the weight w (loaded with the same offsets and mask as x)."
+    if bad_rows and bad_rows[0] > 0 and not bad[0].any():
+        return head + (f"Hint: row 0 is right, later rows are not: row r starts at x_ptr + r * H "
+                       f"(H = {h} here, not BLOCK = {block}), and so does its output.")
+    err = (out - want).abs().max().item()
+    return head + (f"off by up to {err:.3g}.\nHint: rstd = 1 / sqrt(sum(x\u00b2) / H + eps) over the row in fp32, "
+                   "then out = x * rstd * w.")
