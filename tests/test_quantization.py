@@ -159,11 +159,10 @@ def test_fp8_engine_greedy_on_smollm2(smollm2, smollm2_llm):
     activations), and the FP8 engine picks its own model's argmax (the engine adds no error)."""
     from pagedlab import LLM, SamplingParams
     from pagedlab.bench.fp8 import teacher_forced_logits
-    prompts = ["The capital of France is", "Write a haiku about the sea.",
-               "def fibonacci(n):", "Three facts about the moon:"]
-    llm = LLM(checkpoint=smollm2, device="cpu", max_num_seqs=4, max_model_len=512,
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
+    llm = LLM(checkpoint=smollm2, device="cpu", max_num_seqs=3, max_model_len=128,
               show_progress=False, quantization="fp8")
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     agree = own = total = 0
     for o in outs:
@@ -174,5 +173,6 @@ def test_fp8_engine_greedy_on_smollm2(smollm2, smollm2_llm):
         agree += sum(a == b for a, b in zip(ref, o.token_ids))
         own += sum(a == b for a, b in zip(mine, o.token_ids))
         total += n
+    print(f"agreement {agree}/{total}, own {own}/{total}")
     assert own / total >= 0.97, f"the FP8 engine's tokens are its model's argmax at {own}/{total}"
     assert agree / total >= 0.80, f"unquantized argmax agrees with FP8's tokens at {agree}/{total}"

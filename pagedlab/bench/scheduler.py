@@ -1,0 +1,88 @@
+"""`python -m pagedlab.bench.scheduler`: what prefix caching costs the scheduler when nothing is
+shared (the miss cost), on the CPU, with no model.
+
+The scheduler alone (schedule() + accept() with dummy tokens, pagedlab.checks' harness) runs the
+prefix benchmark's no-sharing workload shape: N requests of P unique random tokens (default 256 x
+1,088, as `bench prefix`'s "offline" case), M new tokens each, S slots -- once with prefix
+caching off and once on, alternating, R rounds; the median host seconds per step of each. With
+caching on and nothing to find, every prompt's full blocks are hashed once (BLAKE2b, 16 tokens a
+block) and looked up, every finished block is registered, and freed blocks pass through the LRU.
+
+Reported: the extra host time per step, per request and per prompt token. Whether it costs
+throughput depends on where it lands: registration runs in schedule() right after a prefill
+chunk, i.e. mostly in prefill steps, which the overlap loop does not overlap with the GPU (only
+decode steps run ahead) -- so compare the per-token figure with the GPU's time per prefill token.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+
+def run_scheduler(prompts, new_tokens: int, slots: int, caching: bool, block_size: int = 16) -> dict:
+    """Host seconds of schedule() + accept() over the whole workload; steps; cached tokens."""
+    from pagedlab.request import Request
+    from pagedlab.sampling import SamplingParams
+    from pagedlab.scheduler import Scheduler
+    longest = max(len(p) for p in prompts) + new_tokens
+    blocks = slots * (longest // block_size + 2)
+    sched = Scheduler(num_blocks=blocks, block_size=block_size, max_num_seqs=slots,
+                      max_model_len=longest + 1, max_num_batched_tokens=8192, prefix_caching=caching)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.add(Request(request_id=i, prompt_token_ids=list(p), params=params, seed=0))
+    rng = random.Random(0)
+    steps = 0
+    t0 = time.perf_counter()
+    while sched.has_work():
+        batch = sched.schedule()
+        sched.accept(batch, [rng.randrange(3, 128000) for _ in batch.sampled])
+        sched.take_finished()
+        steps += 1
+    return dict(seconds=time.perf_counter() - t0, steps=steps,
+                hits=getattr(sched.allocator, "prefix_hits", 0))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m pagedlab.bench.scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=1088, help="prompt tokens per request (all unique)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    g = random.Random(1)
+    prompts = [[g.randrange(3, 128000) for _ in range(args.prompt)] for _ in range(args.requests)]
+    res = {False: [], True: []}
+    for _ in range(args.rounds):
+        for caching in (False, True):
+            res[caching].append(run_scheduler(prompts, args.new_tokens, args.slots, caching))
+    off = statistics.median(r["seconds"] for r in res[False])
+    on = statistics.median(r["seconds"] for r in res[True])
+    steps = res[True][0]["steps"]
+    assert steps == res[False][0]["steps"] and all(r["hits"] == 0 for r in res[True])
+    out = dict(requests=args.requests, prompt=args.prompt, new_tokens=args.new_tokens, slots=args.slots,
+               rounds=args.rounds, steps=steps, host_s_off=off, host_s_on=on,
+               host_us_per_step_off=off / steps * 1e6, host_us_per_step_on=on / steps * 1e6,
+               extra_us_per_step=(on - off) / steps * 1e6, extra_us_per_request=(on - off) / args.requests * 1e6,
+               extra_us_per_prompt_token=(on - off) / (args.requests * args.prompt) * 1e6)
+    from pagedlab.bench.common import metadata
+    out.update(metadata("python -m pagedlab.bench.scheduler", argv))
+    print(f"{args.requests} requests x {args.prompt} unique prompt tokens, {args.new_tokens} new, "
+          f"{args.slots} slots: {steps} steps")
+    print(f"scheduler host time per step: caching off {out['host_us_per_step_off']:.1f} us, on "
+          f"{out['host_us_per_step_on']:.1f} us (+{out['extra_us_per_step']:.1f} us)")
+    print(f"= +{out['extra_us_per_request']:.0f} us per request, +{out['extra_us_per_prompt_token']:.2f} us "
+          f"per prompt token")
+    if args.out:
+        from pagedlab.bench.common import write_json
+        write_json(args.out, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
