@@ -657,3 +657,113 @@ def _rmsnorm_diagnosis(x, w, out, want, eps, block) -> str:
     err = (out - want).abs().max().item()
     return head + (f"off by up to {err:.3g}.\nHint: rstd = 1 / sqrt(sum(x\u00b2) / H + eps) over the row in fp32, "
                    "then out = x * rstd * w.")
+
+
+# -- notebook 02: reading a safetensors file by hand ---------------------------------------------------
+
+def _safetensors_cases(folder, seed: int = 0):
+    """(what, path, {name: tensor}) of small safetensors files, written by the library: bf16, fp16
+    and fp32 tensors in one file (data past other tensors' bytes), a __metadata__ entry, a 1-number
+    tensor, extreme bf16 values (huge, tiny, -0.0, inf) and a 3-d shape."""
+    import torch
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    files = [
+        ("one bf16 matrix", {"w": torch.randn(3, 5, generator=g).to(torch.bfloat16)}, None),
+        ("bf16, fp16 and fp32 in one file, with __metadata__",
+         {"embed": torch.randn(4, 6, generator=g).to(torch.bfloat16), "norm": torch.rand(6, generator=g) + 0.5,
+          "half": (torch.randn(2, 3, 2, generator=g) * 100).to(torch.float16),
+          "z.last": torch.randn(7, generator=g).to(torch.bfloat16)}, {"format": "pt", "note": "made by the check"}),
+        ("extreme bf16 values", {"x": torch.tensor([3e38, -3e38, 1e-38, -0.0, float("inf"), 1 / 3, -2.5, 1e-3],
+                                                   dtype=torch.bfloat16)}, None),
+        ("a single number", {"s": torch.tensor([7.0], dtype=torch.bfloat16)}, None),
+    ]
+    out = []
+    for i, (what, tensors, meta) in enumerate(files):
+        path = Path(folder) / f"case{i}.safetensors"
+        save_file(tensors, str(path), metadata=meta)
+        out.append((what, path, tensors))
+    return out
+
+
+def check_read_tensor(fn):
+    """`fn(path, name)` -> the tensor `name` of the safetensors file at `path` as fp32, read by hand
+    (the 8-byte length, the JSON header, the bytes at data_offsets past the header; BF16 widened by
+    the bit shift, F16 and F32 decoded), against the safetensors library on files the check writes."""
+    import tempfile
+
+    import torch
+    from safetensors import safe_open
+    fn = _pick(fn, "read_tensor")
+    with tempfile.TemporaryDirectory(prefix="pagedlab-check-") as folder:
+        cases = _safetensors_cases(folder)
+        for what, path, tensors in cases:
+            with safe_open(str(path), framework="pt") as f:
+                want_all = {n: f.get_tensor(n).float() for n in f.keys()}
+            for name, want in want_all.items():
+                where = f"read_tensor(path, {name!r}) on a file with {what}"
+                try:
+                    got = fn(path, name)
+                except NotImplementedError as e:
+                    raise CheckFailed(_not_written("read_tensor", e)) from None
+                except Exception as e:
+                    raise CheckFailed(f"{where} raised {type(e).__name__}: {str(e)[:300]}\n"
+                                      f"{_read_tensor_error_hint(e, name)}") from None
+                if not isinstance(got, torch.Tensor):
+                    raise CheckFailed(f"{where} returned {type(got).__name__}: return a torch tensor (fp32).")
+                if tuple(got.shape) != tuple(want.shape):
+                    raise CheckFailed(f"{where}: shape {tuple(got.shape)}, expected {tuple(want.shape)}.\n"
+                                      "Hint: reshape the numbers to header[name]['shape'].")
+                if not torch.equal(got.float(), want):
+                    raise CheckFailed(f"{where}: got {got.flatten()[:4].tolist()} ..., expected "
+                                      f"{want.flatten()[:4].tolist()} ...\n"
+                                      f"{_read_tensor_value_hint(path, name, got, want_all)}")
+    _passed("read_tensor", f"{sum(len(t) for _, _, t in cases)} tensors in {len(cases)} files (BF16, F16, F32, "
+            "__metadata__, extreme values) equal the safetensors library's")
+    return fn
+
+
+def _read_tensor_error_hint(e, name) -> str:
+    import json
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+        return ("Hint: the first 8 bytes are the header's length N, an unsigned 64-bit little-endian integer "
+                "(struct.unpack('<Q', f.read(8))); the next N bytes are the JSON.")
+    if isinstance(e, KeyError):
+        return (f"Hint: look {name!r} up in the parsed header: its keys are the tensor names (and '__metadata__', "
+                "which is not a tensor).")
+    return "Hint: read the header (8-byte length, JSON), then the bytes data_offsets name, past the header."
+
+
+def _read_tensor_value_hint(path, name, got, want_all) -> str:
+    """The likely bug behind wrong numbers, tested by decoding the file the wrong ways."""
+    import json
+    import struct
+
+    import numpy as np
+    import torch
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    h = json.loads(raw[8:8 + n])[name]
+    start, end = h["data_offsets"]
+
+    def decode(b, dtype):
+        if dtype == "BF16":
+            return torch.from_numpy((np.frombuffer(b, "<u2").astype(np.uint32) << 16).view(np.float32).copy())
+        return torch.from_numpy(np.frombuffer(b, {"F16": "<f2", "F32": "<f4"}[dtype]).astype(np.float32))
+
+    flat = got.detach().float().flatten()
+
+    def same(t):
+        return t.numel() == flat.numel() and torch.equal(t, flat)
+    if same(decode(raw[start:end], h["dtype"])):
+        return ("Hint: data_offsets count from the end of the header, not from the start of the file: the "
+                "tensor's bytes are at 8 + N + start .. 8 + N + end.")
+    if h["dtype"] == "BF16":
+        bits = torch.from_numpy(np.frombuffer(raw[8 + n + start:8 + n + end], "<u2").astype(np.float32))
+        if same(bits):
+            return "Hint: those are the raw 16-bit patterns as numbers: a bf16 is the TOP half of an fp32."
+        return ("Hint: bf16 is the top half of an fp32: widen the 16 bits to 32 (uint32), shift them left by 16, "
+                "then view the 32 bits as float32 -- no rounding, no scaling.")
+    if h["dtype"] == "F16":
+        return "Hint: F16 is IEEE half precision (numpy '<f2'): 5 exponent bits, not bf16's 8."
+    return "Hint: F32 is four bytes per number, little-endian (numpy '<f4')."

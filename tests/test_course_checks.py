@@ -492,3 +492,47 @@ def test_rmsnorm_kernel_solutions_switch(monkeypatch):
     monkeypatch.setenv("PAGEDLAB_SOLUTIONS", "1")
     got = checks.check_rmsnorm_kernel(_rms_stub)
     assert got is not _rms_stub and got.fn.__name__ == "rmsnorm_kernel"
+
+
+# -- notebook 02: a safetensors tensor read by hand -----------------------------------------------
+
+def _reader(offsets_from_file_start=False, bf16="shift", length="<Q", reshape=True, f16="<f2"):
+    """The course's read_tensor with one thing done another way."""
+    import json
+    import struct
+
+    import numpy as np
+    import torch
+
+    def read_tensor(path, name):
+        with open(path, "rb") as f:
+            size = struct.calcsize(length)
+            (n,) = struct.unpack(length, f.read(size))
+            h = json.loads(f.read(n))[name]
+            start, end = h["data_offsets"]
+            f.seek(start if offsets_from_file_start else size + n + start)
+            raw = f.read(end - start)
+        if h["dtype"] == "BF16":
+            bits = np.frombuffer(raw, dtype="<u2")
+            arr = ((bits.astype(np.uint32) << 16).view(np.float32) if bf16 == "shift"
+                   else bits.astype(np.float32) if bf16 == "raw"
+                   else np.frombuffer(raw, dtype="<f2").astype(np.float32))        # as if fp16
+        elif h["dtype"] == "F16":
+            arr = np.frombuffer(raw, dtype=f16).astype(np.float32)
+        else:
+            arr = np.frombuffer(raw, dtype="<f4")
+        t = torch.from_numpy(arr.copy())
+        return t.reshape(h["shape"]) if reshape else t
+    return read_tensor
+
+
+def test_read_tensor_check(sol, capsys):
+    assert checks.check_read_tensor(sol.read_tensor) is sol.read_tensor and "\u2713" in capsys.readouterr().out
+    assert checks.check_read_tensor(_reader()) is not None                     # the helper itself is right
+    fails(checks.check_read_tensor, stub, "read_tensor is not written yet", "show_solution('read_tensor')")
+    fails(checks.check_read_tensor, _reader(offsets_from_file_start=True), "count from the end of the header")
+    fails(checks.check_read_tensor, _reader(bf16="raw"), "raw 16-bit patterns", "TOP half")
+    fails(checks.check_read_tensor, _reader(bf16="fp16"), "shift them left by 16")
+    fails(checks.check_read_tensor, _reader(length="<I"), "unsigned 64-bit little-endian", "'<Q'")
+    fails(checks.check_read_tensor, _reader(reshape=False), "shape (15,), expected (3, 5)", "reshape")
+    fails(checks.check_read_tensor, _reader(f16="<u2"), "IEEE half precision")

@@ -181,7 +181,7 @@ def test_notebook_runs_from_an_installed_wheel(tmp_path, monkeypatch):
 
     probe = ("from pagedlab import checks, course_parallel, course_prefix, course_serving, kernel_costs\n"
              "import pagedlab\n"
-             "for f in ('pieces', 'pieces_prefix', 'pieces_serving', 'pieces_parallel'):\n"
+             "for f in ('pieces', 'pieces_prefix', 'pieces_serving', 'pieces_parallel', 'pieces_kernels'):\n"
              "    assert str(checks.pieces_path(f + '.py')).startswith(pagedlab.__path__[0]), f\n"
              "checks.show_solution('make_room'); course_prefix.show_solution('block_keys')\n"
              "assert kernel_costs.load_h200_bench()['meta'] and course_parallel.load_parallel_bench()\n"

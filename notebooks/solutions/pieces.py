@@ -113,3 +113,27 @@ def make_room(state, seq):
     if need > 0:
         seq.blocks += state.allocator.allocate(seq.rid, need)
     return True
+
+
+# -- 02 -----------------------------------------------------------------------------------------
+def read_tensor(path, name):
+    import json
+    import struct
+
+    import numpy as np
+    import torch
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))           # u64, little-endian
+        h = json.loads(f.read(header_len))[name]
+        start, end = h["data_offsets"]                           # from the end of the header
+        f.seek(8 + header_len + start)
+        raw = f.read(end - start)
+    if h["dtype"] == "BF16":                                     # the top half of an fp32
+        arr = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+    elif h["dtype"] == "F16":
+        arr = np.frombuffer(raw, dtype="<f2").astype(np.float32)
+    elif h["dtype"] == "F32":
+        arr = np.frombuffer(raw, dtype="<f4")
+    else:
+        raise NotImplementedError(h["dtype"])
+    return torch.from_numpy(arr.copy()).reshape(h["shape"])
