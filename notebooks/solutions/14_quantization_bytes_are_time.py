@@ -44,9 +44,9 @@ print(f"e4m3 {rel(w, dequantize_fp8(*quantize_fp8(w))):.4f}, e5m2 {rel(w, e5m2_r
 
 # 3. Llama-3.1-8B: about 16 GB per token in bf16 and 8 GB in FP8 (its LM head is untied: the
 #    embedding is read one row per token, the head whole). At 4.8 TB/s: ~300 and ~600 tokens/s at
-#    most, i.e. 3.3 ms and 1.7 ms per step -- a fixed cost of ~0.4 ms per step is a far smaller
-#    share of that than of Llama-3.2-1B's 0.5 ms (FP8) step, so the bigger model gets closer to
-#    its floor, and FP8's gain is nearer the full 2x.
+#    most, i.e. 3.3 ms and 1.7 ms per step -- a fixed cost of ~0.33 ms per step is a far smaller
+#    share of that than of Llama-3.2-1B's 0.73 ms FP8 step (measured on the H200), so the bigger
+#    model gets closer to its floor, and FP8's gain is nearer the full 2x.
 llama8b = dataclasses.replace(LLAMA_3_2_1B, hidden_size=4096, intermediate_size=14336, num_layers=32,
                               num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False,
                               name="Llama-3.1-8B")
