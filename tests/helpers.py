@@ -1,6 +1,8 @@
 """Shared test helpers: a transformers model on the same weights, and small engines."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pagedlab.reference import hf_model  # noqa: F401  (re-exported for the tests)
@@ -39,3 +41,25 @@ def mixed_params(free_outputs, rnd, max_tokens=16):
             kw.update(temperature=0.8, seed=rnd.randrange(1000), min_p=0.1, top_k=50)
         params.append(SamplingParams(**kw))
     return params
+
+
+@contextlib.contextmanager
+def interrupts_in_finalizers_dropped():
+    """For tests that inject KeyboardInterrupt at engine calls: Python cannot raise out of a
+    finalizer, so an injected interrupt that lands in one (an unfinished generator closed when it
+    is collected) is reported as "Exception ignored" and dropped -- by Python's rules, not a crash.
+    Those are counted here (yielded list) instead of printed; any other unraisable exception fails."""
+    import gc
+    import sys
+    dropped, other = [], []
+
+    def hook(u):
+        (dropped if isinstance(u.exc_value, KeyboardInterrupt) else other).append(
+            f"{u.exc_type.__name__}: {u.exc_value} in {u.object!r}")
+    old, sys.unraisablehook = sys.unraisablehook, hook
+    try:
+        yield dropped
+        gc.collect()
+    finally:
+        sys.unraisablehook = old
+    assert not other, other
