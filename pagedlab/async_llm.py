@@ -182,8 +182,6 @@ class AsyncLLM:
         self._load = [0] * len(cores)
         self._callers: dict[int, _Caller] = {}
         self._next_id = 0
-        self._pending: list[list] = [[] for _ in cores]     # adds and aborts not sent yet, per core
-        self._flush_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._output_s = 0.0                # time in _read: what the front end spends per step
@@ -255,24 +253,12 @@ class AsyncLLM:
 
     # -- messages ------------------------------------------------------------------------------
     def _queue(self, k: int, item) -> None:
-        """Adds and aborts go out once per turn of the loop, one message per core."""
-        self._pending[k].append(item)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        for core, pending in zip(self.cores, self._pending):
-            if not pending:
-                continue
-            adds = [it[1] for it in pending if it[0] == "add"]
-            aborts = [it[1] for it in pending if it[0] == "abort"]
-            pending.clear()
-            if adds:
-                core.send(("add", adds))
-            if aborts:
-                core.send(("abort", aborts))
+        """An add or abort goes to its core at once (a core process: through its writer thread, so
+        the loop never waits on a pipe; the core takes every message waiting between two steps).
+        Holding them for a later turn of the loop would hold a burst's first requests until the
+        whole burst is parsed."""
+        kind, what = item
+        self.cores[k].send((kind, [what]))
 
     async def watch(self, every_s: float = 1.0) -> None:
         """Read the cores' messages on the running loop from now on, and look at the cores every
@@ -311,6 +297,8 @@ class AsyncLLM:
         for msg in core.messages():
             if msg[0] == "step":
                 self._on_step(k, msg[1])
+            elif msg[0] == "stats":
+                self._stats[k] = msg[1]
             elif msg[0] == "died":
                 self._on_death(k, msg[1])
                 break

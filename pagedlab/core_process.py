@@ -33,6 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 
 READY_TIMEOUT_S = 1800.0      # loading a model (and compiling kernels) before the core answers
+IDLE_SLICE_S = 0.25           # an idle core sends its stats this often (idle time in /metrics)
 
 
 @dataclass
@@ -60,7 +61,7 @@ def core_info(llm, core) -> CoreInfo:
 def core_main(inbox, outbox, llm_kwargs: dict, env: dict) -> None:
     """The core process: build the LLM, then loop. Messages in: ("add", items), ("abort", ids),
     ("stop",). Out: ("ready", CoreInfo) | ("failed", traceback) once, then ("step", StepOutput) per
-    step, and ("died", traceback) if the engine itself fails."""
+    step (("stats", dict) now and then while idle), and ("died", traceback) if the engine fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the front end's to handle
     os.environ.update(env)
     try:
@@ -98,8 +99,10 @@ def run_core(core, inbox, outbox) -> None:
     try:
         while True:
             t0 = clock()
-            if not core.has_work():
-                inbox.poll(None)                 # sleep until a message (or end-of-file) arrives
+            while not core.has_work() and not inbox.poll(IDLE_SLICE_S):
+                timing["idle_s"] += clock() - t0      # sleep until a message (or end-of-file) arrives,
+                t0 = clock()                          # counted slice by slice, and told (/metrics)
+                sendq.put(("stats", core.stats()))
             t1 = clock()
             while inbox.poll():
                 msg = inbox.recv()               # EOFError: the front end is gone

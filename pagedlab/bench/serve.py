@@ -219,6 +219,76 @@ async def send_whole(client, url: str, body: dict) -> Result:
     return r
 
 
+async def send_aiohttp(session, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
+    """As send(), through aiohttp: several times less client CPU per request than httpx, so that at
+    hundreds of concurrent streams the client measures the server, not itself."""
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    r = Result()
+    chunks = 0
+    t0 = last = time.perf_counter()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return r
+            if not stream:
+                usage = (await resp.json()).get("usage") or {}
+                r.latency_s = r.ttft_s = time.perf_counter() - t0
+                r.output_tokens, r.prompt_tokens = usage.get("completion_tokens", 0), usage.get("prompt_tokens")
+                r.ok = r.output_tokens > 0
+                return r
+            finished = False
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    r.ok = r.error is None and chunks > 0
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    r.error = str(obj["error"].get("message", obj["error"]))
+                    continue
+                if obj.get("usage"):
+                    r.prompt_tokens = obj["usage"].get("prompt_tokens")
+                    r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
+                for choice in obj.get("choices") or []:
+                    if choice.get("finish_reason"):
+                        finished = True
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            r.ttft_s = now - t0
+                        else:
+                            r.itl_s.append(now - last)
+                        last, chunks = now, chunks + 1
+    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    r.latency_s = last - t0
+    if not r.ok and finished and r.error is None and chunks > 0:
+        r.ok = True
+    if r.output_tokens == 0:
+        r.output_tokens = chunks
+    if not r.ok and r.error is None:
+        r.error = "the stream ended without [DONE]" if chunks else "no text was streamed"
+    return r
+
+
+def client_library() -> str:
+    """aiohttp when it is installed (the lighter client), else httpx."""
+    try:
+        import aiohttp  # noqa: F401
+        return "aiohttp"
+    except ImportError:
+        return "httpx"
+
+
 # -- one rate ------------------------------------------------------------------------------------
 
 def pcts(xs, scale: float = 1e3) -> dict:
@@ -284,14 +354,22 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> 
     times = arrival_times(len(jobs), rate, args.seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits) as client:
+    if client_library() == "aiohttp":
+        import aiohttp
+        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout_s),
+                                       connector=aiohttp.TCPConnector(limit=0))
+        one = send_aiohttp
+    else:
+        client = httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits)
+        one = send
+    async with client:
         start = time.perf_counter()
         tasks = []
         for job, at in zip(jobs, times):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send(client, url, model, job, args.ignore_eos, not args.no_stream))
+            task = asyncio.create_task(one(client, url, model, job, args.ignore_eos, not args.no_stream))
             task.add_done_callback(lambda _t: bar.update(1))
             tasks.append(task)
         results = await asyncio.gather(*tasks)
@@ -343,7 +421,7 @@ def metadata(argv, url: str, server_models) -> dict:
     return {"date": datetime.date.today().isoformat(),
             "time": datetime.datetime.now().isoformat(timespec="seconds"),
             "python": platform.python_version(), "httpx": httpx.__version__, "numpy": np.__version__,
-            "client_commit": git_commit(), "command": " ".join(["python -m pagedlab bench serve"] + list(argv)),
+            "client_commit": git_commit(), "client": client_library(), "command": " ".join(["python -m pagedlab bench serve"] + list(argv)),
             "url": url, "server_models": server_models}
 
 
@@ -469,8 +547,9 @@ def main(argv=None) -> int:
             print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
                   + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()))
     if offline:
-        print(f"offline (LLM.generate, the same {len(jobs)} requests at once): "
-              f"{offline['output_throughput']:.1f} tok/s, TTFT p99 {offline['ttft_ms']['p99']:.1f} ms; "
+        print(f"offline (LLM.generate, the same {len(jobs)} requests at once, second pass): "
+              f"{offline['output_throughput']:.1f} tok/s, TTFT p99 {offline['ttft_ms']['p99']:.1f} ms "
+              f"(first pass {offline['first_pass']['output_throughput']:.1f} tok/s); "
               + ", ".join(f"rate {r['rate']}: served/offline {r['served_over_offline']:.2f}" for r in results))
     print(f"wrote {path} and {out / 'serve_bench.png'}")
     return 0
@@ -547,7 +626,8 @@ def start_server(serve_args: str) -> StartedServer:
 
 def run_offline(serve_args: str, jobs: list[Job], args) -> dict:
     """The same requests through LLM.generate, all at once, in a fresh process built from the
-    serve ARGS: output tokens/s and TTFT percentiles (each request's, from the engine's clock)."""
+    serve ARGS, twice: output tokens/s and TTFT percentiles (each request's) of the second pass (the
+    first, which compiles kernels, is kept as first_pass)."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
@@ -574,12 +654,15 @@ def offline_worker(spec_path: str) -> int:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec["ignore_eos"]) for _, n in spec["jobs"]]
     if spec["warmup"]:
         llm.generate(prompts[:spec["warmup"]], params[:spec["warmup"]])
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
-    result = {"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
-              "ttft_ms": pcts(o.ttft_s for o in outs)}
+    passes = []
+    for _ in range(2):          # the first pass of a process compiles kernels: the second is the one
+        t0 = time.perf_counter()                                            # compared with serving
+        outs = llm.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        passes.append({"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
+                       "ttft_ms": pcts(o.ttft_s for o in outs)})
+    result = passes[1] | {"first_pass": passes[0]}
     (Path(spec_path).parent / "offline.json").write_text(json.dumps(result))
     llm.close()
     return 0
