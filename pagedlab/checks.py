@@ -767,3 +767,122 @@ def _read_tensor_value_hint(path, name, got, want_all) -> str:
     if h["dtype"] == "F16":
         return "Hint: F16 is IEEE half precision (numpy '<f2'): 5 exponent bits, not bf16's 8."
     return "Hint: F32 is four bytes per number, little-endian (numpy '<f4')."
+
+
+# -- notebook 01: the byte-pair merge loop ---------------------------------------------------------
+
+BPE_TEXT = ("the cat sat on the mat. the dog ate the bread; then the cat and the dog slept in the "
+            "thin sun. aaaa aaaaa banana bandana 2024 2025 there these those. ")
+
+
+def toy_ranks(merges: int = 80, text: str = BPE_TEXT) -> dict:
+    """A small byte-level BPE vocabulary, learned from `text` the way BPE is trained: the 256 single
+    bytes (ranks 0-255), then `merges` times the most frequent adjacent pair (ties: the first seen)
+    becomes a token with the next rank; then a few tokens over the letters v-z whose ranks are not
+    in left-to-right order (so that lowest-rank-first, leftmost-first, highest-first and rightmost-
+    first merging give four different results on "wyzyyy"). Deterministic: the same on every machine."""
+    ranks = {bytes([b]): b for b in range(256)}
+    words = [[bytes([b]) for b in w.encode()] for w in text.split(" ") if w]
+    for _ in range(merges):
+        counts: dict = {}
+        for w in words:
+            for a, b in zip(w, w[1:]):
+                counts[a + b] = counts.get(a + b, 0) + 1
+        counts = {p: c for p, c in counts.items() if p not in ranks}
+        if not counts:
+            break
+        best = max(counts, key=counts.get)
+        ranks[best] = len(ranks)
+        new = []
+        for w in words:
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and w[i] + w[i + 1] == best:
+                    out.append(best)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            new.append(out)
+        words = new
+    for t in ("xy yz wv zx zy yw wx zz wz ww yv vv yy wy vwx xyz wxy yzv zvw").split():
+        ranks[t.encode()] = len(ranks)
+    return ranks
+
+
+def _bpe_pieces() -> list[bytes]:
+    words = ["wyzyyy", "the", " the", "cat", " sat", "there", " these", "thin", "banana", " bandana", "2024", "aaaa",
+             "aaaaa", "aaaaaaa", "x", "", " ", "zzz", "the cat", "caf\u00e9", "\u2615", "breadth", "ththth"]
+    return [w.encode() for w in words]
+
+
+def check_bpe_piece(fn):
+    """`fn(piece: bytes, ranks: dict[bytes, int])` -> token ids: the merge loop of byte-pair encoding
+    (start from single bytes; repeatedly merge the adjacent pair whose concatenation has the lowest
+    rank, the leftmost of equals; stop when no pair is in ranks), against tiktoken (the BPE behind
+    pagedlab's Llama 3 tokenizer) on a small vocabulary learned here -- and on Llama 3's own when
+    its file is installed."""
+    import tiktoken
+    fn = _pick(fn, "bpe_piece")
+    vocabs = [("a small vocabulary (toy_ranks())", toy_ranks())]
+    try:
+        from .tokenizer import llama3_tokenizer_file
+        import base64
+        real = {}
+        for line in llama3_tokenizer_file().read_bytes().splitlines():
+            tok, rank = line.split()
+            real[base64.b64decode(tok)] = int(rank)
+        vocabs.append(("Llama 3's vocabulary", real))
+    except Exception:                           # no llama-models: the small vocabulary alone
+        pass
+    n = 0
+    for what, ranks in vocabs:
+        ref = tiktoken.Encoding("check", pat_str=r"[\s\S]+", mergeable_ranks=ranks, special_tokens={})
+        for piece in _bpe_pieces():
+            want = ref._encode_bytes(piece) if piece else []
+            got = _call(fn, "bpe_piece", piece, ranks)
+            n += 1
+            if got is None or list(got) != want:
+                raise CheckFailed(f"bpe_piece({piece!r}, ranks) with {what}: got {got}, expected {want}.\n"
+                                  f"{_bpe_hint(piece, ranks, got, want)}")
+    _passed("bpe_piece", f"{n} pieces on {len(vocabs)} vocabular{'ies' if len(vocabs) > 1 else 'y'} equal tiktoken's BPE")
+    return fn
+
+
+def _bpe_variants(piece: bytes, ranks: dict) -> dict:
+    """What the likely wrong merge loops give on `piece`."""
+    def run(choose, one_pass=False):
+        parts = [bytes([b]) for b in piece]
+        while len(parts) > 1:
+            pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1)
+                     if parts[i] + parts[i + 1] in ranks]
+            if not pairs:
+                break
+            i = choose(pairs)[1]
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            if one_pass:
+                break
+        return [ranks[p] for p in parts]
+    return {"first": run(lambda ps: ps[0]), "highest": run(lambda ps: max(ps, key=lambda p: (p[0], -p[1]))),
+            "rightmost": run(lambda ps: min(ps, key=lambda p: (p[0], -p[1]))),
+            "once": run(lambda ps: min(ps), one_pass=True)}
+
+
+def _bpe_hint(piece, ranks, got, want) -> str:
+    if got is not None and len(got) and isinstance(list(got)[0], (bytes, bytearray)):
+        return "Hint: return the tokens' ids -- ranks[part] for each part -- not their bytes."
+    v = _bpe_variants(piece, ranks) if got is not None else {}
+    got = list(got) if got is not None else None
+    if got == v.get("first"):
+        return ("Hint: that merges the FIRST pair found in the vocabulary; BPE merges the pair whose "
+                "concatenation has the LOWEST rank (learned earliest), wherever it is.")
+    if got == v.get("highest"):
+        return "Hint: that merges the pair with the highest rank; BPE takes the LOWEST rank first."
+    if got == v.get("rightmost"):
+        return "Hint: when two pairs have the same (lowest) rank, merge the LEFTMOST one."
+    if got == v.get("once"):
+        return ("Hint: one merge is not the end: repeat -- find the lowest-rank pair again among the new parts "
+                "-- until no adjacent pair is in the vocabulary.")
+    return ("Hint: start from single bytes, [bytes([b]) for b in piece]; repeat: among adjacent pairs whose "
+            "concatenation is in ranks take the lowest rank (leftmost of equals) and merge it; stop when none "
+            "is left; return [ranks[p] for p in parts].")

@@ -536,3 +536,33 @@ def test_read_tensor_check(sol, capsys):
     fails(checks.check_read_tensor, _reader(length="<I"), "unsigned 64-bit little-endian", "'<Q'")
     fails(checks.check_read_tensor, _reader(reshape=False), "shape (15,), expected (3, 5)", "reshape")
     fails(checks.check_read_tensor, _reader(f16="<u2"), "IEEE half precision")
+
+
+# -- notebook 01: the byte-pair merge loop ---------------------------------------------------------
+
+def _bpe_with(choose="lowest", once=False, as_bytes=False):
+    def bpe_piece(piece, ranks):
+        parts = [bytes([b]) for b in piece]
+        while len(parts) > 1:
+            pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1)
+                     if parts[i] + parts[i + 1] in ranks]
+            if not pairs:
+                break
+            i = {"lowest": min(pairs), "first": pairs[0], "highest": max(pairs, key=lambda p: (p[0], -p[1])),
+                 "rightmost": min(pairs, key=lambda p: (p[0], -p[1]))}[choose][1]
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+            if once:
+                break
+        return parts if as_bytes else [ranks[p] for p in parts]
+    return bpe_piece
+
+
+def test_bpe_piece_check(sol, capsys):
+    assert checks.check_bpe_piece(sol.bpe_piece) is sol.bpe_piece and "\u2713" in capsys.readouterr().out
+    assert checks.check_bpe_piece(_bpe_with()) is not None                    # the helper itself is right
+    fails(checks.check_bpe_piece, stub, "bpe_piece is not written yet")
+    fails(checks.check_bpe_piece, _bpe_with("first"), "FIRST pair", "LOWEST rank")
+    fails(checks.check_bpe_piece, _bpe_with("highest"), "highest rank", "LOWEST rank first")
+    fails(checks.check_bpe_piece, _bpe_with("rightmost"), "LEFTMOST")
+    fails(checks.check_bpe_piece, _bpe_with(once=True), "repeat")
+    fails(checks.check_bpe_piece, _bpe_with(as_bytes=True), "ids", "not their bytes")

@@ -137,3 +137,16 @@ def read_tensor(path, name):
     else:
         raise NotImplementedError(h["dtype"])
     return torch.from_numpy(arr.copy()).reshape(h["shape"])
+
+
+# -- 01 -----------------------------------------------------------------------------------------
+def bpe_piece(piece, ranks):
+    parts = [bytes([b]) for b in piece]                  # start from single bytes
+    while len(parts) > 1:
+        pairs = [(ranks[parts[i] + parts[i + 1]], i) for i in range(len(parts) - 1)
+                 if parts[i] + parts[i + 1] in ranks]
+        if not pairs:                                    # no adjacent pair is a token: done
+            break
+        _, i = min(pairs)                                # the lowest rank; the leftmost of equals
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return [ranks[p] for p in parts]
