@@ -886,3 +886,73 @@ def _bpe_hint(piece, ranks, got, want) -> str:
     return ("Hint: start from single bytes, [bytes([b]) for b in piece]; repeat: among adjacent pairs whose "
             "concatenation is in ranks take the lowest rank (leftmost of equals) and merge it; stop when none "
             "is left; return [ranks[p] for p in parts].")
+
+
+# -- notebook 03: grouped-query causal attention ----------------------------------------------------
+
+def _gqa_reference(q, k, v):
+    """Causal attention with grouped KV heads by torch's own scaled_dot_product_attention."""
+    import torch
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                                           v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+def check_attention(fn, seed: int = 0):
+    """`fn(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])` -> [T, Hq, D]: causal softmax attention
+    scaled by 1/sqrt(D), query head h reading KV head h // (Hq // Hkv), against torch's
+    scaled_dot_product_attention on one token, one head, and grouped heads (2 and 3 query heads a
+    KV head, one KV head for all)."""
+    import torch
+    fn = _pick(fn, "attention")
+    g = torch.Generator().manual_seed(seed)
+    cases = [(1, 1, 1, 4), (6, 4, 2, 8), (7, 6, 2, 4), (5, 3, 1, 8), (9, 4, 4, 16)]
+    for t, hq, hkv, d in cases:
+        q = torch.randn(t, hq, d, generator=g) * 2
+        k = torch.randn(t, hkv, d, generator=g) * 2
+        v = torch.randn(t, hkv, d, generator=g)
+        where = f"attention(q [{t}, {hq}, {d}], k and v [{t}, {hkv}, {d}])"
+        got = _call(fn, "attention", q.clone(), k.clone(), v.clone())
+        want = _gqa_reference(q, k, v)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            raise CheckFailed(f"{where} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; "
+                              f"expected a tensor of shape {tuple(want.shape)} (one output per query head).")
+        if torch.allclose(got.float(), want, atol=1e-5, rtol=1e-5):
+            continue
+        raise CheckFailed(f"{where}: off by up to {(got.float() - want).abs().nan_to_num(1e9).max().item():.3g}.\n"
+                          f"{_attention_hint(q, k, v, got.float())}")
+    _passed("attention", f"{len(cases)} shapes (one token, one head, 2 and 3 query heads a KV head) equal "
+            "torch's scaled_dot_product_attention")
+    return fn
+
+
+def _attention_hint(q, k, v, got) -> str:
+    import torch
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+
+    def attn(kk, vv, scale=d ** -0.5, mask=True, diagonal=0):
+        s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        if mask:
+            s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(diagonal), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+    ki, vi = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    def same(x):
+        return bool(torch.allclose(got, x, atol=1e-5, rtol=1e-5, equal_nan=True))
+    if got.isnan().any() and same(attn(ki, vi, diagonal=-1)):
+        return ("Hint: query t must see the keys 0..t, itself included: keep the diagonal in the causal "
+                "mask (tril(), not tril(-1)); the first query otherwise sees nothing.")
+    if g > 1 and same(attn(k.repeat(1, g, 1), v.repeat(1, g, 1))):
+        return (f"Hint: query head h reads KV head h // {g} (Hq // Hkv): the {g} query heads of a group are "
+                "neighbours -- repeat_interleave the KV heads, not repeat.")
+    if same(attn(ki, vi, mask=False)):
+        return "Hint: mask the future: query t may attend only to keys 0..t (a causal mask before the softmax)."
+    for scale, what in ((1.0, "no scale"), (1.0 / d, "1/D")):
+        if same(attn(ki, vi, scale=scale)):
+            return f"Hint: scale the scores by 1/sqrt(head_dim) = 1/sqrt({d}) ({what} was used)."
+    return ("Hint: scores = q . k / sqrt(D) for query head h against KV head h // (Hq // Hkv), -inf above "
+            "the diagonal, softmax over the keys, then the weighted sum of v.")

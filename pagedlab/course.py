@@ -158,7 +158,7 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
 
 # -- the hands-on pieces: checks (pagedlab/checks.py) and solutions ---------------------------------
 from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_decode_one, check_kv_generate,  # noqa: E402,F401
-                     check_bpe_piece, check_make_room, check_read_tensor, check_rmsnorm_kernel,
+                     check_attention, check_bpe_piece, check_make_room, check_read_tensor, check_rmsnorm_kernel,
                      check_schedule_step, check_token_slot, reference_step, run_toy, show_solution,
                      solutions_on)
 

@@ -566,3 +566,35 @@ def test_bpe_piece_check(sol, capsys):
     fails(checks.check_bpe_piece, _bpe_with("rightmost"), "LEFTMOST")
     fails(checks.check_bpe_piece, _bpe_with(once=True), "repeat")
     fails(checks.check_bpe_piece, _bpe_with(as_bytes=True), "ids", "not their bytes")
+
+
+# -- notebook 03: grouped-query causal attention -----------------------------------------------------
+
+def _attention_with(repeat="interleave", mask=True, diagonal=0, scale="sqrt"):
+    import math
+
+    import torch
+
+    def attention(q, k, v):
+        t, hq, d = q.shape
+        g = hq // k.shape[1]
+        if repeat == "interleave":
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        else:
+            k, v = k.repeat(1, g, 1), v.repeat(1, g, 1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / {"sqrt": math.sqrt(d), "none": 1.0, "d": d}[scale]
+        if mask:
+            s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(diagonal), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+    return attention
+
+
+def test_attention_check(sol, capsys):
+    assert checks.check_attention(sol.attention) is sol.attention and "\u2713" in capsys.readouterr().out
+    assert checks.check_attention(_attention_with()) is not None             # the helper itself is right
+    fails(checks.check_attention, stub, "attention is not written yet")
+    fails(checks.check_attention, _attention_with(repeat="repeat"), "h // 2", "repeat_interleave")
+    fails(checks.check_attention, _attention_with(mask=False), "mask the future")
+    fails(checks.check_attention, _attention_with(diagonal=-1), "itself included", "tril()")
+    fails(checks.check_attention, _attention_with(scale="none"), "1/sqrt(head_dim)", "no scale")
+    fails(checks.check_attention, _attention_with(scale="d"), "1/sqrt(head_dim)", "1/D")

@@ -150,3 +150,17 @@ def bpe_piece(piece, ranks):
         _, i = min(pairs)                                # the lowest rank; the leftmost of equals
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
     return [ranks[p] for p in parts]
+
+
+# -- 03 -----------------------------------------------------------------------------------------
+def attention(q, k, v):                          # q [T, Hq, D], k/v [T, Hkv, D]
+    import math
+
+    import torch
+    t, hq, d = q.shape
+    g = hq // k.shape[1]                         # query heads per KV head
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)     # head h -> KV head h // g
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()      # key <= query, itself included
+    p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
