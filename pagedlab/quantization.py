@@ -129,6 +129,8 @@ def scaled_mm_works(device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
+    if device.index is None:              # "cuda" and "cuda:0" are one device: one probe, at load
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _SCALED_MM:
         try:
             g = torch.Generator(device=device).manual_seed(0)

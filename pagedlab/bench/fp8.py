@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 import time
 
 import torch
@@ -119,7 +120,7 @@ def weight_errors(ckpt) -> list[dict]:
 
 
 def quality(model: str = "smollm2", text: str = TEXT, device: str = "cpu", max_tokens: int = 1024,
-            backend: str = "torch") -> dict:
+            backend: str = "torch", argv=()) -> dict:
     """The quality numbers (see the module docstring) as a dict."""
     from pagedlab.kernels import select_kernels
     from pagedlab.llm import make_tokenizer
@@ -143,7 +144,7 @@ def quality(model: str = "smollm2", text: str = TEXT, device: str = "cpu", max_t
             logits[name] = teacher_forced_logits(m, ids)[:-1]
         times[name] = time.perf_counter() - t0
         del m
-    res = dict(metadata("python -m pagedlab bench fp8 --quality"), model=ckpt.source, device=device,
+    res = dict(metadata("python -m pagedlab bench fp8", list(argv)), model=ckpt.source, device=device,
                backend=backend, tokens=len(ids), predictions=len(ids) - 1, seconds=times,
                perplexity={n: perplexity(torch.cat([lg, lg[-1:]]), ids) for n, lg in logits.items()},
                vs_fp32={n: compare(logits["fp32"], lg) for n, lg in logits.items() if n != "fp32"},
@@ -174,7 +175,7 @@ def quality_table(res: dict) -> str:
 
 
 def speed(model: str = "random:llama-3.2-1b", offline: bool = True, requests: int = 256,
-          weights=("bf16", "fp8")) -> dict:
+          weights=("bf16", "fp8"), argv=()) -> dict:
     """One stream (and the offline workload) in bf16 and with FP8 weights, on CUDA."""
     from pagedlab.bench.common import copy_bandwidth_tbs, device_line, random_prompt, require_cuda
     from pagedlab.bench.engine import offline_workload, one_stream, run_pagedlab
@@ -186,7 +187,7 @@ def speed(model: str = "random:llama-3.2-1b", offline: bool = True, requests: in
     bw = copy_bandwidth_tbs(torch.device("cuda")) * 1e12
     prompts, out_lens = offline_workload(requests)
     need = max(len(a) + b for a, b in zip(prompts, out_lens))
-    res = dict(metadata("python -m pagedlab bench fp8"), model=ckpt.source,
+    res = dict(metadata("python -m pagedlab bench fp8", list(argv)), model=ckpt.source,
                copy_bandwidth_TBps=bw / 1e12, runs={})
     res["device_line"] = device_line(res)
     for name in weights:
@@ -241,12 +242,14 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = out_dir(args.out)
     if not args.quality:
-        res = speed(args.model or "random:llama-3.2-1b", offline=not args.no_offline, weights=args.weights)
+        res = speed(args.model or "random:llama-3.2-1b", offline=not args.no_offline, weights=args.weights,
+                    argv=sys.argv[1:] if argv is None else argv)
         write_json(out / "fp8_speed.json", res)
         print(speed_table(res))
         return
     text = open(args.text, encoding="utf-8").read() if args.text else TEXT
-    res = quality(args.model or "smollm2", text, args.device, backend=args.backend)
+    res = quality(args.model or "smollm2", text, args.device, backend=args.backend,
+                  argv=sys.argv[1:] if argv is None else argv)
     write_json(out / "fp8_quality.json", res)
     print(quality_table(res))
 
