@@ -230,3 +230,34 @@ def test_an_llm_on_the_cpu_decodes_with_one_thread_unless_the_user_chose(torch_t
     monkeypatch.setenv("PAGEDLAB_CPU_THREADS", "two")
     with pytest.raises(ValueError, match="PAGEDLAB_CPU_THREADS must be an integer >= 1, got 'two'"):
         tiny_llm()
+
+
+def test_n_greedy_samples_are_a_400_naming_n(server):
+    r = post(server, "/v1/completions", {"model": "random:tiny", "prompt": "Hi", "n": 2, "temperature": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    assert "temperature > 0" in r.json()["error"]["message"]
+    ok = post(server, "/v1/completions", {"model": "random:tiny", "prompt": "Hi", "n": 2, "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2          # the default temperature is 1.0
+
+
+def test_the_readme_defaults_table_is_what_the_code_does():
+    import re
+    from pathlib import Path
+
+    import pagedlab.__main__ as cli
+    from pagedlab.server import protocol
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("### Defaults"):readme.index("### CPU threads")]
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]]
+            for r in table.splitlines() if r.startswith("| ") and "---" not in r}
+    python = next(v for k, v in rows.items() if k.startswith("Python"))
+    sp = SamplingParams()
+    assert python[0].startswith("0 (greedy)") and sp.temperature == 0 and python[1] == str(sp.max_tokens)
+    cli_row = next(v for k, v in rows.items() if k.startswith("CLI"))
+    args = cli.build_parser().parse_args(["generate", "hi"])
+    assert cli_row[1].startswith(f"{args.max_new_tokens} ") and args.temperature == 0 and cli_row[0].startswith("0 ")
+    for k, v in rows.items():
+        if k.startswith("server"):
+            assert float(v[0]) == protocol.DEFAULT_TEMPERATURE
+    completions = next(v for k, v in rows.items() if "/v1/completions" in k)
+    assert re.match(rf"{protocol.DEFAULT_COMPLETION_MAX_TOKENS} \(fewer", completions[1])
