@@ -598,3 +598,47 @@ def test_attention_check(sol, capsys):
     fails(checks.check_attention, _attention_with(diagonal=-1), "itself included", "tril()")
     fails(checks.check_attention, _attention_with(scale="none"), "1/sqrt(head_dim)", "no scale")
     fails(checks.check_attention, _attention_with(scale="d"), "1/sqrt(head_dim)", "1/D")
+
+
+# -- outside Jupyter ---------------------------------------------------------------------------------
+
+def test_check_a_chapter_from_the_command_line(tmp_path):
+    """`python -m pagedlab.course check 07 FILE` runs 07's checks on what FILE defines: a passing
+    piece is reported as passing, a wrong one with its check's hint (exit status 1), a missing one
+    by name; without FILE the course's solutions pass (exit status 0)."""
+    import os
+    import subprocess
+    import sys
+    mine = tmp_path / "my_pieces.py"
+    mine.write_text(
+        "from collections import deque\n\n\n"
+        "class Allocator:\n"
+        "    def __init__(self, num_blocks):\n"
+        "        self.free_list, self.owner = deque(range(num_blocks)), {}\n\n"
+        "    def allocate(self, who, n=1):\n"
+        "        if n > len(self.free_list):\n"
+        "            raise RuntimeError('out of blocks')\n"
+        "        got = [self.free_list.popleft() for _ in range(n)]\n"
+        "        self.owner.update({b: who for b in got})\n"
+        "        return got\n\n"
+        "    def free(self, blocks):\n"
+        "        if any(b not in self.owner for b in blocks):\n"
+        "            raise RuntimeError('not in use')\n"
+        "        for b in blocks:\n"
+        "            del self.owner[b]\n"
+        "            self.free_list.append(b)\n\n\n"
+        "def token_slot(row, n, block_size):\n"
+        "    return row[n // block_size] * block_size            # forgets n % block_size\n")
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDLAB_SOLUTIONS"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "pagedlab.course", *args], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=tmp_path)
+    r = run("check", "07", str(mine))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "\u2713 Allocator" in r.stdout and "\u2717 token_slot" in r.stdout and "Hint: token" in r.stdout
+    mine.write_text("def schedule_step(state):\n    raise NotImplementedError\n")
+    r = run("check", "10", str(mine))
+    assert r.returncode == 1 and "defines no make_room" in r.stdout, r.stdout + r.stderr
+    r = run("check", "8")
+    assert r.returncode == 0 and "\u2713 schedule_step" in r.stdout, r.stdout + r.stderr
