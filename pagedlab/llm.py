@@ -325,6 +325,8 @@ class LLM:
             ids = self.tokenizer.chat(check_conversation(turns, system))
             ids, _, params = self.engine.check_request(ids, params)
             return ids, self.tokenizer.decode(ids), params
+        if system is not None:
+            raise ValueError("system= needs text or a conversation to put its turn before; this prompt is token ids")
         return self.engine.check_request(prompt, params, chat=chat)
 
     def get_tokenizer(self):

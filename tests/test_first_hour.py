@@ -46,6 +46,8 @@ def test_chat_takes_many_conversations_and_a_system_argument(llm):
     assert streamed == with_system[0].text
     with pytest.raises(ValueError, match="system= is a chat turn"):
         llm.generate("Hi!", SP, system="Be brief.")
+    with pytest.raises(ValueError, match="prompt 1: system= needs text or a conversation"):
+        llm.chat(["Hi!", [5, 6, 7]], SP, system="Be brief.")
 
 
 @pytest.mark.parametrize("messages,match", [
