@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from .output_processor import Finished, StepOutput
+from .interrupts import deferred
 from .request import PENDING
 
 
@@ -26,6 +27,7 @@ class EngineCore:
         self.sent: dict[int, int] = {}        # request id -> output tokens handed out so far
         self.foreign: list = []               # finished requests this core did not add
         self.ended = StepOutput()             # endings not handed out yet (aborted between steps)
+        self.unhanded: list = []              # finished requests taken from the engine, not handed out
         self.num_steps, self.step_seconds, self.step_sequences = 0, 0.0, 0   # since start (/metrics)
         self.last_step_s = 0.0
         self.timing = {"idle_s": 0.0, "inbox_s": 0.0, "handout_s": 0.0}   # a core process's loop
@@ -48,25 +50,31 @@ class EngineCore:
     def abort(self, request_ids) -> None:
         """Abort them now (unknown or finished ids: a no-op). Their endings are handed out with the
         next step's output; the engine keeps none of them for its next step()."""
-        aborted = [rid for rid in request_ids if self.engine.abort(rid)]
-        if aborted:
-            self.ended.extend(self._endings(self.engine.scheduler.take_finished()))
+        with deferred():
+            aborted = [rid for rid in request_ids if self.engine.abort(rid)]
+            if aborted:
+                self.ended.extend(self._endings(self.engine.scheduler.take_finished()))
 
     def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self.ended.request_ids)
+        return self.engine.has_work() or bool(self.ended.request_ids) or bool(self.unhanded)
 
     def step(self) -> StepOutput:
-        """One engine step; every request that got tokens or ended, once."""
+        """One engine step; every request that got tokens or ended, once. Interrupt-safe: the step
+        and the hand-out are deferred sections (interrupts.py), and what an interrupted call had
+        gathered is handed out by the next one."""
         eng = self.engine
         t0 = time.perf_counter()
-        finished = eng.step()
+        eng.step(into=self.unhanded)          # (its device work stays interruptible)
         self.last_step_s = time.perf_counter() - t0
         self.step_seconds += self.last_step_s
         self.num_steps += 1
+        with deferred():
+            return self._hand_out()
+
+    def _hand_out(self) -> StepOutput:
         sent, out = self.sent, self.ended
-        self.ended = StepOutput()
         rids, tokens = out.request_ids, out.token_ids
-        for req in eng.scheduler.admitted:
+        for req in self.engine.scheduler.admitted:
             have = sent.get(req.request_id)
             if have is None:
                 continue
@@ -81,8 +89,10 @@ class EngineCore:
                     out.logprobs[req.request_id] = req.logprobs[have:n]
                 sent[req.request_id] = n
         self.step_sequences += len(rids)
+        finished, self.unhanded = self.unhanded, []
         out.extend(self._endings(finished))
         out.stats = self.stats()
+        self.ended = StepOutput()
         return out
 
     def _endings(self, finished) -> StepOutput:
