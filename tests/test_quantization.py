@@ -159,10 +159,12 @@ def test_fp8_engine_greedy_on_smollm2(smollm2, smollm2_llm):
     activations), and the FP8 engine picks its own model's argmax (the engine adds no error)."""
     from pagedlab import LLM, SamplingParams
     from pagedlab.bench.fp8 import teacher_forced_logits
-    prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):"]
-    llm = LLM(checkpoint=smollm2, device="cpu", max_num_seqs=3, max_model_len=128,
-              show_progress=False, quantization="fp8")
-    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    # many prompts, few tokens: on the CPU a step's cost is converting the fp8 weights, whatever the batch
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
+               "Three facts about the moon:", "The best way to learn a language is", "Once upon a time,"]
+    llm = LLM(checkpoint=smollm2, tokenizer=smollm2_llm.tokenizer, device="cpu", max_num_seqs=6,
+              max_model_len=128, show_progress=False, quantization="fp8")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     agree = own = total = 0
     for o in outs:
