@@ -130,8 +130,8 @@ class AsyncLLM:
     def __init__(self, llm):
         """Serve an LLM built in this process: its engine core runs on a thread of this process."""
         if getattr(llm, "data_parallel_size", 1) > 1:
-            raise ValueError("AsyncLLM(llm) drives one engine: for data parallelism use "
-                             "AsyncLLM.from_model(model, data_parallel_size=N) (or serve "
+            raise ValueError("AsyncLLM(llm) drives one engine, and this LLM has data_parallel_size > 1: "
+                             "use AsyncLLM.from_model(model, data_parallel_size=N) (or serve "
                              "--data-parallel-size N), which starts one engine core per replica")
         self.llm, self.engine = llm, llm.engine
         self._init([CoreThread(llm)])
@@ -200,7 +200,8 @@ class AsyncLLM:
         total = {}
         for s in per_core:
             for k, v in s.items():
-                total[k] = total.get(k, 0) + v
+                if k != "t":
+                    total[k] = total.get(k, 0) + v
         total["frontend_output_s"] = self._output_s
         if "prefix_queries" in total:
             total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0

@@ -54,7 +54,8 @@ class CoreInfo:
 def core_info(llm, core) -> CoreInfo:
     eng = llm.engine
     return CoreInfo(llm.tokenizer, eng.max_model_len, eng.config.max_num_seqs, llm.config.vocab_size,
-                    eng.pool_hint(), dict(eng.stop_token_ids), getattr(llm.checkpoint, "source", "?"),
+                    eng.pool_hint(), dict(eng.stop_token_ids),
+                    getattr(llm, "model_name", None) or getattr(llm.checkpoint, "source", "?"),
                     eng.config.seed, os.getpid(), core.stats())
 
 

@@ -212,3 +212,123 @@ def _first_complete(chunks) -> int:
             if any(line.startswith(b"data:") for line in ev.split(b"\n")):
                 return i
     return len(chunks)
+
+
+# -- the engine core: a thread of this process, or a process of its own ---------------------------
+
+def core_steps_per_second(core, seconds: float, busy: bool) -> float:
+    """Engine steps per second of `core` (a core_process.CoreProcess or async_llm.CoreThread, kept
+    busy with long requests) over `seconds`, while this thread sleeps (busy=False) or runs pure
+    Python the way a server's front end does: JSON, over and over (busy=True). Read from the step
+    counters the core sends with every step (stats["t"]: the core's clock, shared by processes)."""
+    import time
+    last = {}
+
+    def drain():
+        for msg in core.messages():
+            if msg[0] in ("step", "stats"):
+                stats = msg[1].stats if msg[0] == "step" else msg[1]
+                last.setdefault("first", stats)
+                if stats["t"] <= t1:
+                    last["end"] = stats
+    t1 = float("inf")
+    time.sleep(0.3)
+    drain()
+    last.clear()
+    t0 = time.perf_counter()
+    t1 = t0 + seconds
+    doc = {"id": "cmpl-1", "choices": [{"index": 0, "text": "token " * 8, "finish_reason": None}]}
+    while time.perf_counter() < t1:
+        if busy:
+            json.loads(json.dumps(doc))
+        else:
+            time.sleep(0.005)
+    time.sleep(0.3)
+    drain()
+    a, b = last.get("first"), last.get("end")
+    if a is None or b is None or b["t"] <= a["t"]:
+        return float("nan")
+    return (b["steps"] - a["steps"]) / (b["t"] - a["t"])
+
+
+def gil_effect(model: str = "random:tiny", seconds: float = 1.0, **llm_kwargs) -> dict:
+    """The engine's steps per second with its core on a thread of this process and in a process of
+    its own, each while this process is idle and while it is busy with Python (the GIL at work:
+    only one thread of a process runs Python at a time). Returns {(where, busy): steps/s}."""
+    from .async_llm import CoreThread
+    from .core_process import CoreProcess
+    from .llm import LLM
+    from .sampling import SamplingParams
+    llm_kwargs = dict(dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False), **llm_kwargs)
+    llm = LLM(model, **llm_kwargs)
+    long = SamplingParams(max_tokens=llm.engine.max_model_len - 8, ignore_eos=True)
+    out, next_id = {}, 1000
+    cores = {"thread": CoreThread(llm), "process": None}
+    try:
+        proc = CoreProcess(dict(llm_kwargs, model=model))
+        proc.wait_ready()
+        cores["process"] = proc
+        for where, core in cores.items():
+            for busy in (False, True):        # fresh work each time: 4 slots, 16 long requests
+                work = [(next_id + i, [5 + i % 50, 6, 7], None, long) for i in range(16)]
+                next_id += len(work)
+                core.send(("add", work))
+                out[where, busy] = core_steps_per_second(core, seconds, busy)
+                core.send(("abort", [rid for rid, *_ in work]))
+    finally:
+        cores["thread"].stop()
+        if cores["process"] is not None:
+            cores["process"].stop()
+    return out
+
+
+def draw_core_split():
+    """The two processes of `python -m pagedlab serve` and what crosses between them per step."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    ax.set(xlim=(0, 10), ylim=(0, 4))
+    ax.axis("off")
+    boxes = [(0.2, "front end: the server's process",
+              "uvicorn's event loop:\nHTTP, JSON, check + tokenize\nOutputProcessor: detokenize,\n"
+              "stop strings, SSE chunks", "#dbe9f6"),
+             (6.3, "engine core: a process of its own",
+              "loop: schedule -> run -> accept\n(nothing else on its interpreter,\nits own GIL)\n"
+              "writer thread: step outputs out", "#fde3c8")]
+    for x, title, body, color in boxes:
+        ax.add_patch(FancyBboxPatch((x, 0.4), 3.5, 3.0, boxstyle="round,pad=0.05", fc=color, ec="0.3"))
+        ax.text(x + 1.75, 3.1, title, ha="center", va="center", fontsize=10, weight="bold")
+        ax.text(x + 1.75, 1.75, body, ha="center", va="center", fontsize=9)
+    arrows = [(2.75, "add: (id, token ids, params)  -- per request"),
+              (1.85, "abort: ids  -- a client left, a stop string"),
+              (0.95, "step: ids, new token ids, endings, stats  -- ONE per step")]
+    for i, (y, label) in enumerate(arrows):
+        x0, x1 = (3.75, 6.25) if i < 2 else (6.25, 3.75)
+        ax.annotate("", xy=(x1, y), xytext=(x0, y), arrowprops=dict(arrowstyle="->", lw=1.6))
+        ax.text(5.0, y + 0.18, label, ha="center", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def served_table() -> list[dict]:
+    """The committed H200 measurement of docs/serving.md: the same 512-request workload through
+    four servers and offline (docs/serve_core_*.json): one row per server and rate."""
+    from .course_data import path
+    rows = []
+    for name, label in (("before_stream", "before: engine thread, SSE"),
+                        ("thread_stream", "engine thread + new output path, SSE"),
+                        ("process_stream", "engine core process, SSE"),
+                        ("process_whole", "engine core process, whole answers")):
+        p = path(f"serve_core_{name}.json")
+        if p is None:
+            continue
+        d = json.loads(p.read_text())
+        for r in d["results"]:
+            rows.append(dict(server=label, rate=r["rate"], tokens_per_s=r["output_throughput"],
+                             ttft_p99_ms=r["ttft_ms"]["p99"], tpot_p50_ms=r["tpot_ms"]["p50"]))
+        if d.get("offline"):
+            o = d["offline"]
+            rows.append(dict(server="offline: LLM.generate (second pass)", rate="all at once",
+                             tokens_per_s=o["output_throughput"], ttft_p99_ms=o["ttft_ms"]["p99"],
+                             tpot_p50_ms=None))
+    return rows

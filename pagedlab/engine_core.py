@@ -119,8 +119,45 @@ class EngineCore:
         alloc = sched.allocator
         s = dict(running=len(sched.admitted), waiting=len(sched.waiting), kv_used=alloc.num_used,
                  kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
-                 step_sequences=self.step_sequences, **{f"core_{k}": v for k, v in self.timing.items()})
+                 step_sequences=self.step_sequences, t=time.perf_counter(),
+                 **{f"core_{k}": v for k, v in self.timing.items()})
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):
             if hasattr(alloc, attr):
                 s[attr] = float(getattr(alloc, attr))
         return s
+
+
+def run_requests(core: EngineCore, outputs, items, use_tqdm: bool = False, on_finish=None) -> list:
+    """Queue checked requests (token ids, text, params), step until all finished; their
+    RequestOutputs in order (what LLM.generate and a data-parallel replica run). Interrupted: its
+    unfinished requests are aborted; finished requests of other callers go back to the engine."""
+    rids = core.add([(None, *item) for item in items])
+    for rid, (ids, text, params) in zip(rids, items):
+        outputs.add(rid, ids, text, params)
+    wanted, done = set(rids), {}
+    bar = None
+    if use_tqdm:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(rids), desc="requests", unit="req")
+    try:
+        while len(done) < len(wanted):
+            changed, stopped = outputs.process(core.step())
+            core.abort(stopped)                  # their text reached a stop string
+            for state in changed:
+                if state.output is not None and state.request_id in wanted:
+                    done[state.request_id] = state.output
+                    if bar:
+                        bar.update(1)
+                    if on_finish:
+                        on_finish(state.output)
+    finally:
+        if len(done) < len(wanted):        # interrupted: no orphans left running
+            unfinished = [rid for rid in rids if rid not in done]
+            core.abort(unfinished)
+            for rid in unfinished:
+                outputs.states.pop(rid, None)
+        core.engine.hand_back(core.take_foreign())
+        if bar:
+            bar.close()
+    return [done[rid] for rid in rids]
+

@@ -4,7 +4,6 @@ from __future__ import annotations
 import inspect
 import numbers
 import os
-import weakref
 from dataclasses import replace
 
 import torch
@@ -12,20 +11,17 @@ import torch
 from .config import EngineConfig, resolve_device_dtype
 from .conversation import check_conversation, is_conversation
 from .cpu_threads import apply_cpu_thread_policy
-from .engine import Engine, max_positions
 from .engine_args import engine_config_kwargs
-from .kernels import select_kernels
-from .model import LlamaModel
 from .parallel.shard import check_split
-from .engine_core import EngineCore
-from .output_processor import OutputProcessor, RequestOutput
+from .engine_core import run_requests
+from .output_processor import RequestOutput
+from .rank import build_engine, build_model
 from .sampling import SEED_LIMIT, SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
-LLAMA3_VOCAB_SIZE = 128256
-WORLD_ATTEMPTS = 3              # tries at forming a parallel LLM's torch.distributed world      # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
+LLAMA3_VOCAB_SIZE = 128256        # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -94,23 +90,6 @@ def check_parallel_devices(device, world: int) -> None:
                          f"torch sees {have}")
 
 
-def shutdown_workers(workers, tp: int, dp: int, groups: list) -> None:
-    """Tell every rank to leave -- replicas through the router, tensor-parallel ranks with an empty
-    step -- then join them (parallel/workers.py). Safe to call twice and after a failure."""
-    group, router = groups
-
-    def goodbye():
-        if router is not None:
-            from .parallel.data_parallel import send
-            for k in range(1, dp):
-                send(None, k * tp, router)
-        if group is not None:
-            group.send_step(None)
-            group.stopped = "this LLM was closed; create a new LLM"
-    # a stopped group is out of step: its ranks cannot be told, only ended
-    workers.shutdown(None if group is not None and group.stopped else goodbye)
-
-
 class LLM:
     """LLM(model="smollm2" | "random:tiny" | path | hub id, device=None, dtype=None, **EngineConfig fields)"""
 
@@ -165,72 +144,26 @@ class LLM:
         self.tensor_parallel_size, self.data_parallel_size = tp, dp
         self._workers = self._router = None
         group = None
-        if tp * dp > 1:
-            from .parallel.workers import Workers, WorldSpec, init_world, send_weights
-            spec = WorldSpec(tp, dp, device.type, engine_config.dtype, ckpt.config, engine_config, backend,
-                             kernel_options, {n: tuple(t.shape) for n, t in ckpt.tensors.items()},
-                             tokenizer=tokenizer if dp > 1 else None)
-            for attempt in range(WORLD_ATTEMPTS):
-                self._workers = workers = Workers(spec)
-                groups = [None, None]        # filled in below; the finalizer reads them when it runs
-                self._close = weakref.finalize(self, shutdown_workers, workers, tp, dp, groups)
-                try:
-                    workers.wait_started()
-                    try:
-                        group, self._router = groups[:] = init_world(0, spec)
-                        send_weights(ckpt.tensors, spec, dtype)
-                    except RuntimeError:
-                        # gloo's connection mesh over the loopback fails now and then while it is
-                        # set up (on any rank, before any step): start the processes again
-                        if attempt + 1 < WORLD_ATTEMPTS:
-                            self._close.detach()
-                            workers.shutdown()       # no goodbye: end them at once, leave the world
-                            continue
-                        raise
-                    if group is not None:
-                        group.on_failure, group.on_stop = workers.failure, self._close
-                    self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
-                                kernel_options, group)
-                    break
-                except Exception as e:
-                    why = getattr(e, "fatal", False) and str(e) or workers.failure(wait_s=2.0)
-                    self._close()
-                    if why and not getattr(e, "fatal", False):
-                        from .parallel.group import WorkerFailed
-                        raise WorkerFailed(why) from e
-                    raise
+        if tp * dp > 1:           # the other ranks' processes first; this one is rank 0
+            from .parallel.world import start_world
+            self._workers, self._router, self._close = start_world(
+                self, tp, dp, device, dtype, ckpt, engine_config, backend, kernel_options, tokenizer,
+                setup=lambda group: self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype,
+                                                engine_config, backend, kernel_options, group))
         else:
             self._setup(ckpt.config, ckpt.tensors, tokenizer, device, dtype, engine_config, backend,
                         kernel_options, None, allocator=allocator, scheduler=scheduler,
                         decode_kernel=decode_kernel)
 
     def _setup(self, config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
-               group, presharded=False, allocator=None, scheduler=None, decode_kernel=None):
-        """Kernels, model (this rank's cut under tensor parallelism), tokenizer and engine."""
+               group, allocator=None, scheduler=None, decode_kernel=None):
+        """Kernels, model (this rank's cut under tensor parallelism), tokenizer and engine (rank.py)."""
         self.config, self.engine_config, self.tokenizer = config, engine_config, tokenizer
-        kernels = select_kernels(backend, engine_config.decode_variant, **(kernel_options or {}))
-        if decode_kernel is not None:
-            kernels.decode_attention = decode_kernel
-        self.model = LlamaModel(config, tensors, device, dtype, kernels,
-                                max_positions=max_positions(engine_config, config), tp=group,
-                                presharded=presharded, quantization=engine_config.quantization)
-        self.engine = Engine(self.model, tokenizer, engine_config, allocator=allocator, scheduler=scheduler)
-        self.core = EngineCore(self.engine)          # the one driver of the engine's steps
-        self.outputs = OutputProcessor(tokenizer, self.engine.stop_token_ids)   # tokens -> text, outputs
+        self.model = build_model(config, tensors, device, dtype, engine_config, backend, kernel_options,
+                                 tp=group, decode_kernel=decode_kernel)
+        self.engine, self.core, self.outputs = build_engine(self.model, tokenizer, engine_config,
+                                                            allocator=allocator, scheduler=scheduler)
         self._next_dp_id = 0
-
-    @classmethod
-    def _assemble(cls, config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
-                  group, presharded=True) -> "LLM":
-        """A replica's LLM inside a worker process (parallel/data_parallel.py): built from weights
-        received from rank 0, no loading, no workers of its own to start."""
-        self = cls.__new__(cls)
-        self.checkpoint, self._workers, self._router = None, None, None
-        self.tensor_parallel_size, self.data_parallel_size = group.size if group else 1, 1
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        self._setup(config, tensors, tokenizer, device, dtype, engine_config, backend, kernel_options,
-                    group, presharded)
-        return self
 
     def close(self) -> None:
         """Stop the worker processes of a parallel LLM (a no-op otherwise, and the second time).
@@ -335,39 +268,7 @@ class LLM:
         return self.tokenizer
 
     def _run(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
-        """Queue checked requests (token ids, text, params), step until all finished; their
-        outputs in order. Interrupted: its unfinished requests are aborted; requests that others
-        added and that finish meanwhile are handed back to the engine."""
-        core, proc = self.core, self.outputs
-        rids = core.add([(None, *item) for item in items])
-        for rid, (ids, text, params) in zip(rids, items):
-            proc.add(rid, ids, text, params)
-        wanted, done = set(rids), {}
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=len(rids), desc="requests", unit="req")
-        try:
-            while len(done) < len(wanted):
-                changed, stopped = proc.process(core.step())
-                core.abort(stopped)                  # their text reached a stop string
-                for state in changed:
-                    if state.output is not None and state.request_id in wanted:
-                        done[state.request_id] = state.output
-                        if bar:
-                            bar.update(1)
-                        if on_finish:
-                            on_finish(state.output)
-        finally:
-            if len(done) < len(wanted):        # interrupted: no orphans left running
-                unfinished = [rid for rid in rids if rid not in done]
-                core.abort(unfinished)
-                for rid in unfinished:
-                    proc.states.pop(rid, None)
-            self.engine.hand_back(core.take_foreign())
-            if bar:
-                bar.close()
-        return [done[rid] for rid in rids]
+        return run_requests(self.core, self.outputs, items, use_tqdm, on_finish)
 
     def _run_replicas(self, items, use_tqdm: bool = False, on_finish=None) -> list[RequestOutput]:
         """Data parallelism: the router. Seeds are drawn here as one engine would draw them, each

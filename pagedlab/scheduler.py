@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from .interrupts import atomic
 from .kv_cache import BlockAllocator, blocks_needed
+from .plugged_allocator import plug_allocator
 from .prefix_cache import extend_keys
 from .request import PENDING, Request, RequestStatus
 
@@ -84,7 +85,7 @@ class Scheduler:
                  stop_token_ids: dict[int, str] | None = None, record_views: bool = False,
                  prefix_caching: bool = False, allocator=None):
         """allocator: a class or factory taking num_blocks, used instead of BlockAllocator
-        (plugins.plug_allocator checks and wraps it; prefix caching needs a BlockAllocator's API)."""
+        (plugged_allocator.plug_allocator checks and wraps it; prefix caching needs a BlockAllocator's API)."""
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -96,7 +97,6 @@ class Scheduler:
         if allocator is None:
             self.allocator = BlockAllocator(num_blocks)
         else:
-            from .plugins import plug_allocator
             self.allocator = plug_allocator(allocator, num_blocks, prefix_caching)
         self.waiting: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_num_seqs

@@ -241,7 +241,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def test_cli_generate_with_two_ranks_and_serve_refuses_replicas():
+def test_cli_generate_with_two_ranks_and_serve_checks_replicas():
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base = [sys.executable, "-m", "pagedlab", "generate", "--model", "random:tiny", "--device", "cpu",
             "--backend", "torch", "--raw", "--max-new-tokens", "6", "hello", "there"]
@@ -250,10 +250,12 @@ def test_cli_generate_with_two_ranks_and_serve_refuses_replicas():
                          capture_output=True, text=True, env=env, timeout=300)
     assert one.returncode == two.returncode == 0, two.stderr[-2000:]
     assert two.stdout == one.stdout and len(one.stdout.splitlines()) == 2
-    r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--data-parallel-size", "2"],
+    # serve runs N engine cores for --data-parallel-size N (tests/test_engine_core.py); a bad N is
+    # refused before anything loads
+    r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--data-parallel-size", "0"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: serve runs one engine: for data parallelism start one server per GPU behind a load balancer"]
+        "error: --data-parallel-size must be >= 1, got 0"]
 
 
 def test_an_error_on_rank_0_mid_step_stops_the_workers(monkeypatch):

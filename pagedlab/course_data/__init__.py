@@ -1,6 +1,7 @@
 """The files the course reads, shipped with pagedlab so that it works installed (Colab, a wheel)
 as well as cloned: the solutions (solutions/*.py), the concept figures the notebooks show
-(figures/*.png) and the lab's committed H200 measurements (kernels_bench.json, parallel_bench.json).
+(figures/*.png) and the lab's committed H200 measurements (kernels_bench.json, parallel_bench.json,
+serve_core_*.json, ...: any docs/*.json linked here).
 
 In a clone these are links to notebooks/solutions/, figures/ and docs/; a wheel carries the files
 themselves (pyproject.toml's [tool.setuptools.package-data]). `path(rel)` finds one either way
@@ -24,7 +25,7 @@ def path(rel: str) -> Path | None:
     if p.is_file():
         return p
     head, _, tail = rel.partition("/")
-    q = _IN_CLONE.get(head)
+    q = _IN_CLONE.get(head) or (_CLONE / "docs" / head if head.endswith(".json") else None)
     if q is not None:
         q = q / tail if tail else q
         if q.is_file():

@@ -54,18 +54,22 @@ def recv(src: int, group):
 
 
 def serve_replica(rank: int, spec, tensors: dict, group, router, fail_at=None) -> None:
-    """Replica leader (tensor-parallel rank 0 of replica rank // T > 0): build its own LLM, then
+    """Replica leader (tensor-parallel rank 0 of replica rank // T > 0): build its own engine, then
     run each work list the router sends (None: leave) and send back the outputs."""
-    from ..llm import LLM
-    llm = LLM._assemble(spec.config, tensors, spec.tokenizer, spec.device(rank), spec.dtype,
-                        spec.engine_config, spec.backend, spec.kernel_options, group, presharded=True)
+    import torch
+
+    from ..engine_core import run_requests
+    from ..rank import build_engine, build_model
+    model = build_model(spec.config, tensors, spec.device(rank), getattr(torch, spec.dtype), spec.engine_config,
+                        spec.backend, spec.kernel_options, tp=group, presharded=True)
+    _, core, outputs = build_engine(model, spec.tokenizer, spec.engine_config)
     calls = 0
     while (work := recv(0, router)) is not None:
         calls += 1
         if calls == fail_at:
             raise RuntimeError(f"injected failure on rank {rank} at call {calls}")
         try:
-            out = llm._run(work)
+            out = run_requests(core, outputs, work)
         except Exception:
             out = RemoteError(rank, traceback.format_exc())
         send(out, 0, router)

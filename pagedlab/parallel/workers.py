@@ -241,13 +241,9 @@ def worker_main(rank: int, spec: WorldSpec) -> None:
 
 
 def build_model(rank: int, spec: WorldSpec, tensors: dict, group):
-    from ..engine import max_positions
-    from ..kernels import select_kernels
-    from ..model import LlamaModel
-    kernels = select_kernels(spec.backend, spec.engine_config.decode_variant, **(spec.kernel_options or {}))
-    return LlamaModel(spec.config, tensors, spec.device(rank), getattr(torch, spec.dtype), kernels,
-                      max_positions=max_positions(spec.engine_config, spec.config), tp=group, presharded=True,
-                      quantization=spec.engine_config.quantization)
+    from ..rank import build_model as build
+    return build(spec.config, tensors, spec.device(rank), getattr(torch, spec.dtype), spec.engine_config,
+                 spec.backend, spec.kernel_options, tp=group, presharded=True)
 
 
 def run_steps(rank: int, spec: WorldSpec, tensors: dict, group: ParallelGroup, fail_at=None) -> None:
