@@ -96,3 +96,29 @@ def test_health_follows_the_engine_thread():
     assert not allm.is_alive()
     r = client.get("/health")
     assert r.status_code == 503 and r.json()["status"] != "ok"
+
+
+def test_shutdown_with_streams_running_ends_every_stream():
+    """shutdown() while callers are streaming: every caller's stream ends at once (its last delta
+    says "abort"), nobody is left waiting, and every block is back."""
+    llm = tiny_llm(max_num_seqs=2, num_blocks=64)
+    allm = AsyncLLM(llm)
+    sp = SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+
+    async def main():
+        started = asyncio.Event()
+
+        async def one(p):
+            last = None
+            async for d in allm.generate(p, sp):
+                started.set()
+                last = d
+            return last
+        tasks = [asyncio.create_task(one(p)) for p in ([5, 6], [7, 8, 9], [10])]
+        await started.wait()
+        allm.shutdown()
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+    last = asyncio.run(main())
+    assert all(d.finished and d.finish_reason == "abort" for d in last)
+    assert llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work()
+
