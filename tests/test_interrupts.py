@@ -582,3 +582,46 @@ def test_generate_interrupted_then_rerun(config):
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_used == 0
     assert interrupted == 6
+
+
+def _pieces():
+    """The learner's pieces as the notebooks' solutions write them (07's Allocator, 10's make_room)."""
+    import importlib.util
+    from pagedlab.course_data import path
+    spec = importlib.util.spec_from_file_location("solution_pieces", path("solutions/pieces.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("piece", ["07 allocator", "10 make_room"])
+def test_a_notebook_engine_with_learner_pieces_interrupted_then_rerun(piece):
+    """Notebooks 07-10 run the engine with the learner's own pieces plugged in (plugins.py); a
+    Ctrl-C at a random moment of such a run, then the same run again: the rerun gives the clean
+    outputs (preemption included: a small pool) and every block is back."""
+    from pagedlab.plugins import scheduler_with_make_room
+    pieces = _pieces()
+    plug = dict(allocator=pieces.Allocator) if piece.startswith("07") else \
+        dict(scheduler=scheduler_with_make_room(pieces.make_room))
+    rnd = random.Random(piece)
+    prompts = [[rnd.randrange(3, 512) for _ in range(rnd.randint(2, 30))] for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rnd.randint(1, 12), ignore_eos=True) for _ in prompts]
+    kw = dict(max_num_seqs=3, block_size=4, num_blocks=16, dtype="float32", trace=True) | plug
+    clean = tiny_llm(**kw)
+    t0 = time.perf_counter()
+    want = [o.token_ids for o in clean.generate(prompts, params)]
+    duration = time.perf_counter() - t0
+    llm = tiny_llm(**kw)
+    main, interrupted = threading.main_thread().ident, 0
+    for _ in range(4):
+        timer = threading.Timer(rnd.uniform(0, duration), signal.pthread_kill, (main, signal.SIGINT))
+        try:
+            timer.start()
+            llm.generate(prompts, params)
+            timer.join()
+        except KeyboardInterrupt:
+            interrupted += 1
+            timer.join()
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_used == 0
+    assert interrupted == 4
