@@ -195,7 +195,12 @@ def test_50_concurrent_streams_get_exactly_their_tokens(server, reference):
 
 # -- clients that go away ------------------------------------------------------------------------
 
-def test_aborted_stream_frees_its_blocks(server):
+def test_aborted_stream_frees_its_blocks(server, monkeypatch):
+    # every step takes at least 10 ms here, so 200 tokens (2 s) surely outlast the client's 0.3 s
+    # read timeout below, however fast the machine (a race otherwise: an idle CPU can finish first)
+    runner = engine_of(server).runner
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda batch: (time.sleep(0.01), run(batch))[1])
     before = metrics(server)
     body = {"model": MODEL, "prompt": list(range(3, 40)), "max_tokens": 200, "temperature": 0,
             "stream": True, "ignore_eos": True}
