@@ -161,16 +161,23 @@ class CoreProcess:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> CoreInfo:
         deadline = time.monotonic() + timeout
         while not self.outbox.poll(0.2):
-            if not self.process.is_alive():
-                raise RuntimeError(f"the engine core process exited (code {self.process.exitcode}) "
-                                   "before it was ready")
+            if not self.process.is_alive() and not self.outbox.poll(0):
+                raise RuntimeError(f"the engine core process exited (code {self.process.exitcode}) before "
+                                   "it was ready. It is started with 'spawn', which imports your __main__ "
+                                   "module again: run from a file whose serving code is under `if __name__ "
+                                   "== \"__main__\":` (not from stdin), or serve an LLM of this process "
+                                   "with serve(llm) (its core on a thread)")
             if time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
         try:
             kind, what = self.outbox.recv()
         except EOFError:
-            raise RuntimeError("the engine core process exited before it was ready") from None
+            raise RuntimeError(
+                "the engine core process exited before it was ready. It is started with 'spawn', which "
+                "imports your __main__ module again: run from a file whose serving code is under "
+                "`if __name__ == \"__main__\":` (not from stdin), or serve an LLM of this process "
+                "with serve(llm) (its core on a thread)") from None
         if kind == "failed":
             self.process.join(10)
             raise RuntimeError(f"the engine core failed to start:\n{what}")

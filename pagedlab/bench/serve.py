@@ -144,52 +144,42 @@ class Result:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def send(client, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
-    """One streaming /v1/completions request, timed chunk by chunk (stream=False: one whole answer;
-    its TTFT is then the whole latency, as a client sees it)."""
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}}
+def request_body(model: str, job: Job, ignore_eos: bool, stream: bool) -> dict:
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
-    if not stream:
-        return await send_whole(client, url, body)
-    r = Result()
-    chunks, finished = 0, False
-    t0 = time.perf_counter()
-    last = t0
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
-                r.error = f"HTTP {resp.status_code}: {text[:200]}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    r.ok = r.error is None and chunks > 0
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    r.error = str(obj["error"].get("message", obj["error"]))
-                    continue
-                if obj.get("usage"):
-                    r.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
-                for choice in obj.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finished = True
-                    if choice.get("text"):
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            r.ttft_s = now - t0
-                        else:
-                            r.itl_s.append(now - last)
-                        last, chunks = now, chunks + 1
-    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
-        r.error = f"{type(e).__name__}: {e}"
-        return r
+    return body
+
+
+async def read_stream(lines, r: Result, t0: float) -> None:
+    """Fill `r` from the lines (str) of a server-sent event stream, timing each chunk of text."""
+    chunks, finished, last = 0, False, t0
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            r.ok = r.error is None and chunks > 0
+            break
+        obj = json.loads(data)
+        if "error" in obj:
+            r.error = str(obj["error"].get("message", obj["error"]))
+            continue
+        if obj.get("usage"):
+            r.prompt_tokens = obj["usage"].get("prompt_tokens")
+            r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
+        for choice in obj.get("choices") or []:
+            if choice.get("finish_reason"):
+                finished = True
+            if choice.get("text"):
+                now = time.perf_counter()
+                if chunks == 0:
+                    r.ttft_s = now - t0
+                else:
+                    r.itl_s.append(now - last)
+                last, chunks = now, chunks + 1
     r.latency_s = last - t0
     if not r.ok and finished and r.error is None and chunks > 0:
         r.ok = True        # a finish_reason, then the stream closed: some servers (transformers) send no [DONE]
@@ -197,86 +187,56 @@ async def send(client, url: str, model: str, job: Job, ignore_eos: bool, stream:
         r.output_tokens = chunks
     if not r.ok and r.error is None:
         r.error = "the stream ended without [DONE]" if chunks else "no text was streamed"
-    return r
 
 
-async def send_whole(client, url: str, body: dict) -> Result:
-    body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    r = Result()
-    t0 = time.perf_counter()
-    try:
-        resp = await client.post(f"{url}/v1/completions", json=body)
-        if resp.status_code != 200:
-            r.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            return r
-        usage = resp.json().get("usage") or {}
-    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
-        r.error = f"{type(e).__name__}: {e}"
-        return r
+def read_whole(answer: dict, r: Result, t0: float) -> None:
+    """Fill `r` from a whole (not streamed) answer: its TTFT is its latency, as a client sees it."""
+    usage = answer.get("usage") or {}
     r.latency_s = r.ttft_s = time.perf_counter() - t0
     r.output_tokens, r.prompt_tokens = usage.get("completion_tokens", 0), usage.get("prompt_tokens")
     r.ok = r.output_tokens > 0
+
+
+async def send(client, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
+    """One /v1/completions request through httpx, streamed and timed chunk by chunk (stream=False:
+    one whole answer)."""
+    r, body = Result(), request_body(model, job, ignore_eos, stream)
+    t0 = time.perf_counter()
+    try:
+        if not stream:
+            resp = await client.post(f"{url}/v1/completions", json=body)
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                return r
+            read_whole(resp.json(), r, t0)
+            return r
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                r.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return r
+            await read_stream(resp.aiter_lines(), r, t0)
+    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
     return r
 
 
 async def send_aiohttp(session, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
     """As send(), through aiohttp: several times less client CPU per request than httpx, so that at
     hundreds of concurrent streams the client measures the server, not itself."""
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0}
-    if stream:
-        body |= {"stream": True, "stream_options": {"include_usage": True}}
-    if ignore_eos:
-        body["ignore_eos"] = True
-    r = Result()
-    chunks = 0
-    t0 = last = time.perf_counter()
+    r, body = Result(), request_body(model, job, ignore_eos, stream)
+    t0 = time.perf_counter()
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
                 return r
             if not stream:
-                usage = (await resp.json()).get("usage") or {}
-                r.latency_s = r.ttft_s = time.perf_counter() - t0
-                r.output_tokens, r.prompt_tokens = usage.get("completion_tokens", 0), usage.get("prompt_tokens")
-                r.ok = r.output_tokens > 0
+                read_whole(await resp.json(), r, t0)
                 return r
-            finished = False
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    r.ok = r.error is None and chunks > 0
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    r.error = str(obj["error"].get("message", obj["error"]))
-                    continue
-                if obj.get("usage"):
-                    r.prompt_tokens = obj["usage"].get("prompt_tokens")
-                    r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
-                for choice in obj.get("choices") or []:
-                    if choice.get("finish_reason"):
-                        finished = True
-                    if choice.get("text"):
-                        now = time.perf_counter()
-                        if chunks == 0:
-                            r.ttft_s = now - t0
-                        else:
-                            r.itl_s.append(now - last)
-                        last, chunks = now, chunks + 1
+            await read_stream((raw.decode("utf-8", "replace") async for raw in resp.content), r, t0)
     except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
         r.error = f"{type(e).__name__}: {e}"
-        return r
-    r.latency_s = last - t0
-    if not r.ok and finished and r.error is None and chunks > 0:
-        r.ok = True
-    if r.output_tokens == 0:
-        r.output_tokens = chunks
-    if not r.ok and r.error is None:
-        r.error = "the stream ended without [DONE]" if chunks else "no text was streamed"
     return r
 
 
