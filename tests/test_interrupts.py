@@ -553,23 +553,22 @@ def test_sigint_at_random_moments(config, device):
 
 
 
-@pytest.mark.parametrize("config", ["plain", "overlap+prefix", "trace+prefix"])
-def test_generate_interrupted_then_rerun(config):
-    """The notebooks' way: llm.generate(...) stopped by a Ctrl-C at a random moment, then run
-    again -- the rerun gives the clean outputs, and nothing is left behind."""
-    rnd = random.Random(config)
+def interrupt_generate_then_rerun(seed, kw: dict, times: int, watch_books: bool = False) -> None:
+    """llm.generate(...) stopped by a Ctrl-C at a random moment, then run again, `times` times: each
+    rerun gives the clean engine's outputs and leaves no work and no block behind."""
+    rnd = random.Random(seed)
     prompts = [[rnd.randrange(3, 512) for _ in range(rnd.randint(2, 30))] for _ in range(8)]
     params = [SamplingParams(max_new_tokens=rnd.randint(1, 12), ignore_eos=True) for _ in prompts]
-    kw = dict(max_num_seqs=3, block_size=4, num_blocks=24, dtype="float32") | CONFIGS[config]
     clean = tiny_llm(**kw)
     t0 = time.perf_counter()
     want = [o.token_ids for o in clean.generate(prompts, params)]
     duration = time.perf_counter() - t0
     llm = tiny_llm(**kw)
     everyone, add = [], llm.engine.scheduler.add
-    llm.engine.scheduler.add = lambda req: (everyone.append(req), add(req))
+    if watch_books:
+        llm.engine.scheduler.add = lambda req: (everyone.append(req), add(req))
     main, interrupted = threading.main_thread().ident, 0
-    for _ in range(6):
+    for _ in range(times):
         timer = threading.Timer(rnd.uniform(0, duration), signal.pthread_kill, (main, signal.SIGINT))
         try:
             timer.start()
@@ -578,10 +577,19 @@ def test_generate_interrupted_then_rerun(config):
         except KeyboardInterrupt:
             interrupted += 1
             timer.join()
-        check_books(llm.engine, everyone)
+        if watch_books:
+            check_books(llm.engine, everyone)
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_used == 0
-    assert interrupted == 6
+    assert interrupted == times
+
+
+@pytest.mark.parametrize("config", ["plain", "overlap+prefix", "trace+prefix"])
+def test_generate_interrupted_then_rerun(config):
+    """The notebooks' way: llm.generate(...) stopped by a Ctrl-C at a random moment, then run
+    again -- the rerun gives the clean outputs, and nothing is left behind."""
+    kw = dict(max_num_seqs=3, block_size=4, num_blocks=24, dtype="float32") | CONFIGS[config]
+    interrupt_generate_then_rerun(config, kw, times=6, watch_books=True)
 
 
 def _pieces():
@@ -603,25 +611,5 @@ def test_a_notebook_engine_with_learner_pieces_interrupted_then_rerun(piece):
     pieces = _pieces()
     plug = dict(allocator=pieces.Allocator) if piece.startswith("07") else \
         dict(scheduler=scheduler_with_make_room(pieces.make_room))
-    rnd = random.Random(piece)
-    prompts = [[rnd.randrange(3, 512) for _ in range(rnd.randint(2, 30))] for _ in range(8)]
-    params = [SamplingParams(max_new_tokens=rnd.randint(1, 12), ignore_eos=True) for _ in prompts]
     kw = dict(max_num_seqs=3, block_size=4, num_blocks=16, dtype="float32", trace=True) | plug
-    clean = tiny_llm(**kw)
-    t0 = time.perf_counter()
-    want = [o.token_ids for o in clean.generate(prompts, params)]
-    duration = time.perf_counter() - t0
-    llm = tiny_llm(**kw)
-    main, interrupted = threading.main_thread().ident, 0
-    for _ in range(4):
-        timer = threading.Timer(rnd.uniform(0, duration), signal.pthread_kill, (main, signal.SIGINT))
-        try:
-            timer.start()
-            llm.generate(prompts, params)
-            timer.join()
-        except KeyboardInterrupt:
-            interrupted += 1
-            timer.join()
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
-        assert not llm.engine.has_work() and llm.engine.scheduler.allocator.num_used == 0
-    assert interrupted == 4
+    interrupt_generate_then_rerun(piece, kw, times=4)
