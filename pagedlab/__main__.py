@@ -15,7 +15,7 @@ import sys
 from .bench import BENCHMARKS, HTTP_BENCHMARKS
 
 from .config import EngineConfig
-from .course import DEMO_PROMPTS
+from .conversation import DEMO_PROMPTS
 from .sampling import DEFAULT_MAX_TOKENS
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 SEED_LIMIT = 2 ** 63                                   # seeds are int64 on the device

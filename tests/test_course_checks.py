@@ -1,4 +1,4 @@
-"""The course's checks (pagedlab/checks.py): each passes on the course's solution (which is
+"""The course's checks (pagedlab/course/checks.py): each passes on the course's solution (which is
 checked against pagedlab's own implementation) and fails, with a message that says what is wrong,
 on a stub and on planted bugs."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlab import checks
+from pagedlab.course import checks
 from pagedlab.kv_cache import blocks_needed
 
 PIECES = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "pieces.py"

@@ -1,11 +1,11 @@
-"""Notebook 04's check (pagedlab.checks.check_rmsnorm_kernel): the course's Triton kernel passes; a
+"""Notebook 04's check (pagedlab.course.checks.check_rmsnorm_kernel): the course's Triton kernel passes; a
 stub and planted bugs fail with the hint that names each. Triton kernels run in its interpreter on
 a CPU (conftest sets TRITON_INTERPRET=1 before any kernel is defined)."""
 from __future__ import annotations
 
 import pytest
 
-from pagedlab import checks
+from pagedlab.course import checks
 
 triton = pytest.importorskip("triton")
 tl = triton.language
@@ -74,7 +74,7 @@ def _rms_first_row_only(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
 
 def test_rmsnorm_kernel_check(capsys):
     from pagedlab import course
-    sol = checks.solution("rmsnorm_kernel", checks.KERNELS_FILE)
+    sol = checks.solution("rmsnorm_kernel")
     assert course.check_rmsnorm_kernel(sol) is sol and "\u2713" in capsys.readouterr().out
     msg = fails(checks.check_rmsnorm_kernel, _rms_stub, "rmsnorm_kernel is not written yet", "stored nothing",
                 "show_solution('rmsnorm_kernel')")

@@ -1,4 +1,4 @@
-"""Notebook 13's checks (pagedlab/course_parallel.py): the course's solutions pass and are returned;
+"""Notebook 13's checks (pagedlab/course/parallel.py): the course's solutions pass and are returned;
 stubs say "not written yet"; planted bugs in the cut of a weight, the column- and row-parallel
 linear layers, the vocabulary-parallel embedding and a whole Llama layer each fail with a message
 that names the case and gives the matching hint -- on two processes over gloo, and on two threads
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedlab import course_parallel as pc
-from pagedlab.checks import CheckFailed
+from pagedlab.course import parallel as pc
+from pagedlab.course import CheckFailed
 from pagedlab.parallel import shard as ref
 
 shard = pc.solution("shard")

@@ -1,4 +1,4 @@
-"""Notebook 12's checks (pagedlab/course_prefix.py): the course's solutions pass and are returned;
+"""Notebook 12's checks (pagedlab/course/prefix.py): the course's solutions pass and are returned;
 stubs say "not written yet"; planted bugs in the hash chain and in the ref-counted allocator each
 fail with a message that shows what went wrong and gives the matching hint."""
 import hashlib
@@ -6,8 +6,8 @@ from array import array
 
 import pytest
 
-from pagedlab import course_prefix
-from pagedlab.checks import CheckFailed
+from pagedlab.course import prefix as course_prefix
+from pagedlab.course import CheckFailed
 
 sol_keys = course_prefix.solution("block_keys")
 Sol = course_prefix.solution("PrefixAllocator")

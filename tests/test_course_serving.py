@@ -1,12 +1,12 @@
-"""Notebook 11's check (pagedlab/course_serving.py): the course's solution passes and is returned;
+"""Notebook 11's check (pagedlab/course/serving.py): the course's solution passes and is returned;
 a stub, a parser that decodes chunks, and one that reads the whole body first each fail with a
 message that names the case and gives a hint."""
 import json
 
 import pytest
 
-from pagedlab import course_serving
-from pagedlab.checks import CheckFailed
+from pagedlab.course import serving as course_serving
+from pagedlab.course import CheckFailed
 
 
 @pytest.fixture(autouse=True)

@@ -595,7 +595,7 @@ def test_generate_interrupted_then_rerun(config):
 def _pieces():
     """The learner's pieces as the notebooks' solutions write them (07's Allocator, 10's make_room)."""
     import importlib.util
-    from pagedlab.course_data import path
+    from pagedlab.course.data import path
     spec = importlib.util.spec_from_file_location("solution_pieces", path("solutions/pieces.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

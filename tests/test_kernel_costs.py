@@ -1,7 +1,8 @@
-"""pagedlab.kernel_costs: the counts checked by hand on small shapes, and against the H200 json."""
+"""pagedlab.kernels.decode_costs: the counts checked by hand on small shapes, and against the H200 json."""
 import pytest
 
-from pagedlab.kernel_costs import decode_costs, h200_rows, load_h200_bench, used_splits
+from pagedlab.course import load_h200_bench
+from pagedlab.kernels.decode_costs import decode_costs, h200_rows, used_splits
 
 # 1 sequence of 32 tokens, 4 query heads on 2 KV heads (G = 2), head_dim 16, 2-byte dtype.
 SHAPE = dict(batch=1, ctx=32, heads=4, kv_heads=2, head_dim=16, block_size=16, dtype_bytes=2)

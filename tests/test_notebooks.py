@@ -182,12 +182,12 @@ def test_notebook_runs_from_an_installed_wheel(tmp_path, monkeypatch):
     last = _text(code[-1])
     assert "# Solutions to notebook 07" in last and "block size  16: paged wastes" in last, last[-800:]
 
-    probe = ("from pagedlab import checks, course_parallel, course_prefix, course_serving, kernel_costs\n"
+    probe = ("from pagedlab import course\nfrom pagedlab.course import checks, parallel, prefix\n"
              "import pagedlab\n"
              "for f in ('pieces', 'pieces_prefix', 'pieces_serving', 'pieces_parallel', 'pieces_kernels'):\n"
-             "    assert str(checks.pieces_path(f + '.py')).startswith(pagedlab.__path__[0]), f\n"
-             "checks.show_solution('make_room'); course_prefix.show_solution('block_keys')\n"
-             "assert kernel_costs.load_h200_bench()['meta'] and course_parallel.load_parallel_bench()\n"
+             "    assert str(course.pieces_path(f + '.py')).startswith(pagedlab.__path__[0]), f\n"
+             "checks.show_solution('make_room'); prefix.show_solution('block_keys')\n"
+             "assert course.load_h200_bench()['meta'] and parallel.load_parallel_bench()\n"
              "print('ok', pagedlab.__file__)\n")
     env = {k: v for k, v in os.environ.items() if k != "PAGEDLAB_SOLUTIONS"}
     r = subprocess.run([sys.executable, "-c", probe], cwd=outside, capture_output=True, text=True, timeout=120,

@@ -1,4 +1,4 @@
-"""pagedlab.viz and pagedlab.figures: the drawings work on real traces, headless."""
+"""pagedlab.viz (pagedlab.course.viz) and pagedlab.course.figures: the drawings work on real traces, headless."""
 from __future__ import annotations
 
 import matplotlib
@@ -65,7 +65,7 @@ def test_explore_trace_static_fallback(trace, monkeypatch):
 
 
 def test_figures_command(tmp_path):
-    from pagedlab import figures
+    from pagedlab.course import figures
     paths = figures.make_all(tmp_path)
     assert {p.name for p in paths} >= {"slot_timeline.png", "static_vs_continuous.png",
                                         "block_table.png", "trace_step.png", "preemption_pool.png",
@@ -276,7 +276,7 @@ def test_explorer_frames_match_a_fresh_drawing(tight_trace):
     idx = [0, next(i for i, s in enumerate(t.steps) if s.preempted), len(t) // 2, len(t) - 1]
     fig = Figure(figsize=(12, 7.2))
     FigureCanvasAgg(fig)
-    painter = viz._StepPainter(t, fig)
+    painter = viz.StepPainter(t, fig)
     box = fig.bbox_inches
     frames = [np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=int)
               for png in painter.frames(idx, box, dpi=60, colors=None)]
@@ -297,7 +297,7 @@ def test_why_a_slot_waits(tight_trace):
     waits = [i for i, s in enumerate(t.steps) if None in s.slot_request and s.queue]
     assert waits, "the fixture must have a free slot while requests wait"
     for i, s in enumerate(t.steps):
-        line = viz._why_waiting(t, i)
+        line = viz.why_waiting(t, i)
         assert bool(line) == (i in waits)
         if line:
             assert f"while {len(s.queue)} wait" in line and viz.req_name(s.queue[0]) in line

@@ -7,7 +7,7 @@ from pagedlab.kv_cache import blocks_needed
 #    so bisect between a pool that preempts (POOL_BLOCKS) and one that cannot (every request's
 #    final size at once). The schedule depends on lengths only: pagedlab's Scheduler without a
 #    model (course's pagedlab_schedule) answers each try in milliseconds; one engine run confirms.
-from pagedlab.checks import pagedlab_schedule
+from pagedlab.course.checks import pagedlab_schedule
 
 
 def preempts(n):
@@ -49,7 +49,7 @@ def make_room_oldest(state, seq):
     return True
 
 
-from pagedlab.checks import EngineState, reference_step
+from pagedlab.course.checks import EngineState, reference_step
 
 thrown = {}
 for rule in (make_room, make_room_oldest):

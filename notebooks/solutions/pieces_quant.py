@@ -1,4 +1,4 @@
-"""Notebook 14's piece: per-channel FP8 quantization (checked by pagedlab.course_quant.check_fp8)."""
+"""Notebook 14's piece: per-channel FP8 quantization (checked by pagedlab.course.quant.check_fp8)."""
 import torch
 
 FP8_MAX = 448.0        # torch.finfo(torch.float8_e4m3fn).max

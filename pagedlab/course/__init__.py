@@ -1,14 +1,23 @@
-"""The course's set-up helpers, shared by every notebook: which model to run (chosen once), which
-device, and toy workloads with chosen lengths."""
+"""The course: the notebooks' own room of pagedlab. It may import the engine; the engine never imports it.
+
+This module is the set-up every notebook shares (which model to run, chosen once; which device;
+toy workloads with chosen lengths; the course's figures and committed measurements) and the
+names of the chapters' checks (`course.check_allocator(...)`). Beside it:
+    chapter.py     CheckFailed and `Chapter`: a chapter's solutions, stubs' messages, passes
+    checks.py      the checks of chapters 01-10 (and the toy engine state of 08 and 10)
+    prefix.py, serving.py, parallel.py, quant.py   chapters 12, 11, 13 and 14's checks and helpers
+    trace_views.py, explorer.py (+ explorer.js), charts.py   the drawings; viz.py names them all
+    figures.py     the course's figures (`python -m pagedlab.course.figures`)
+    data/          solutions, concept figures and H200 tables, shipped as package data
+    __main__.py    `python -m pagedlab.course check 07 [my_pieces.py]`: a chapter's checks outside Jupyter
+"""
 from __future__ import annotations
 
 import importlib.util
 import os
 import random
 
-# The original engine's four prompts (its demo hard-codes their Llama 3 chat ids): the demo's, the
-# tests' and notebook 00's.
-DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
+from ..conversation import DEMO_PROMPTS  # noqa: F401  (notebook 00's and the tests')
 
 
 def is_small() -> bool:
@@ -84,8 +93,8 @@ def smollm2_copy(root: str | os.PathLike | None = None, ckpt=None, tokenizer=Non
     import json
     import shutil
     from safetensors.torch import save_file
-    from .llm import make_tokenizer
-    from .weights import load_checkpoint
+    from ..llm import make_tokenizer
+    from ..weights import load_checkpoint
     print("making a local copy of the embedded SmolLM2-135M (once; about a minute on a CPU) ...")
     ckpt = ckpt or load_checkpoint("smollm2", show_progress=False)
     tmp = root / (SMOLLM2_COPY_NAME + f".tmp{os.getpid()}")
@@ -104,7 +113,7 @@ def smollm2_copy(root: str | os.PathLike | None = None, ckpt=None, tokenizer=Non
 def device_dtype():
     """(device, dtype) the notebooks use: the engine's own choice (config.resolve_device_dtype):
     bf16 on GPUs with bf16 tensor cores (sm80+), fp16 below (Colab's free T4 is sm75), fp32 on CPU."""
-    from .config import resolve_device_dtype
+    from ..config import resolve_device_dtype
     return resolve_device_dtype()
 
 
@@ -120,7 +129,7 @@ def limit_cpu_threads() -> int | None:
     import torch
     if torch.cuda.is_available():
         return None
-    from .cpu_threads import cpu_threads_for
+    from ..cpu_threads import cpu_threads_for
     n = cpu_threads_for(torch.device("cpu"))
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
@@ -147,7 +156,7 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
     """n requests as (prompt token ids, SamplingParams): random lengths in the given ranges,
     ignore_eos=True so every request runs exactly its max_new_tokens (any model, also random
     ones, gives the same schedule). Token ids are in [3, vocab): valid for every course model."""
-    from .sampling import SamplingParams
+    from ..sampling import SamplingParams
     rng = random.Random(seed)
     prompts, params = [], []
     for _ in range(n):
@@ -156,17 +165,17 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
     return prompts, params
 
 
-# -- the hands-on pieces: checks (pagedlab/checks.py) and solutions ---------------------------------
-from .checks import (CheckFailed, EngineState, Seq, check_allocator, check_decode_one, check_kv_generate,  # noqa: E402,F401
-                     check_attention, check_bpe_piece, check_make_room, check_read_tensor, check_rmsnorm_kernel,
-                     check_schedule_step, check_token_slot, reference_step, run_toy, show_solution,
-                     solutions_on)
+# -- the hands-on pieces: checks (checks.py) and solutions ---------------------------------
+from .chapter import CheckFailed, pieces_path, solutions_on  # noqa: E402,F401
+from .checks import (EngineState, Seq, check_allocator, check_attention, check_bpe_piece,  # noqa: E402,F401
+                     check_decode_one, check_kv_generate, check_make_room, check_read_tensor,
+                     check_rmsnorm_kernel, check_schedule_step, check_token_slot, reference_step, run_toy,
+                     show_solution, solution)
 
 
 def exercise_solutions(name: str, namespace: dict, show: bool | None = None) -> None:
     """The exercises' solutions, notebooks/solutions/{name}.py: printed and run in the notebook's
     namespace when show=True or PAGEDLAB_SOLUTIONS=1; otherwise only says where they are."""
-    from .checks import pieces_path
     show = solutions_on() if show is None else show
     path = pieces_path(f"{name}.py")
     if path is None:
@@ -184,7 +193,7 @@ def figure(name: str, width: int | None = None):
     shows however Jupyter was started and wherever pagedlab is installed (a markdown image's
     ../figures/ path breaks when the server's root is notebooks/, and outside a clone)."""
     from IPython.display import Image
-    from .course_data import path
+    from .data import path
     p = path(f"figures/{name}.png")
     if p is None:
         print(f"figures/{name}.png is not in this pagedlab: see figures/ in the repository")
@@ -211,79 +220,14 @@ def time_ms(fn, repeat: int = 5, warmup: int = 1):
     return statistics.median(times), max(times) - min(times)
 
 
-# -- outside Jupyter: python -m pagedlab.course check CHAPTER [FILE] ------------------------------------
-def chapter_checks() -> dict:
-    """Chapter -> [(piece name, its check)]: what `python -m pagedlab.course check` runs. (05's
-    decode loop is checked in its notebook only: it drives the notebook's model and helpers.)"""
-    from . import checks, course_parallel, course_prefix, course_serving
-    return {
-        "01": [("bpe_piece", checks.check_bpe_piece)],
-        "02": [("read_tensor", checks.check_read_tensor)],
-        "03": [("attention", checks.check_attention)],
-        "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel)],
-        "06": [("decode_one", checks.check_decode_one)],
-        "07": [("Allocator", checks.check_allocator), ("token_slot", checks.check_token_slot)],
-        "08": [("schedule_step", checks.check_schedule_step)],
-        "10": [("make_room", checks.check_make_room)],
-        "11": [("sse_events", course_serving.check_sse_events)],
-        "12": [("block_keys", course_prefix.check_block_keys),
-               ("PrefixAllocator", course_prefix.check_prefix_allocator)],
-        "13": [("shard", course_parallel.check_shard),
-               ("column_parallel_linear", course_parallel.check_column_parallel),
-               ("row_parallel_linear", course_parallel.check_row_parallel),
-               ("vocab_parallel_embedding", course_parallel.check_vocab_embedding)],
-    }
+def load_h200_bench(path=None) -> dict | None:
+    """docs/kernels_bench.json (the lab's H200 run of `python -m pagedlab bench kernels`; notebook
+    06 sets it beside pagedlab.kernels.decode_costs), or None when this pagedlab lacks it."""
+    import json
+    from pathlib import Path
 
-
-def check_chapter(chapter: str, path: str | None = None) -> int:
-    """Run a chapter's checks on the pieces a Python file defines (path=None: on the course's
-    solutions). Prints each check's verdict; returns how many failed or were missing."""
-    import runpy
-    table = chapter_checks()
-    chapter = f"{int(chapter):02d}" if str(chapter).isdigit() else str(chapter)
-    if chapter not in table:
-        raise SystemExit(f"no checks for chapter {chapter!r}: chapters with pieces are {', '.join(table)} "
-                         "(05's decode loop is checked in its notebook)")
-    if path is None:
-        os.environ["PAGEDLAB_SOLUTIONS"] = "1"
-        pieces = {}
-    else:
-        pieces = runpy.run_path(str(path), run_name="pagedlab_course_pieces")
-    failed = 0
-    for name, check in table[chapter]:
-        if path is not None and name not in pieces:
-            print(f"\u2717 {name}: {path} defines no {name}")
-            failed += 1
-            continue
-        try:
-            check(pieces.get(name))
-        except CheckFailed as e:
-            print(f"\u2717 {name}: {e}")
-            failed += 1
-    return failed
-
-
-def main(argv=None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m pagedlab.course", description=(
-        "Check a chapter's pieces outside Jupyter: the functions and classes a Python file of yours "
-        "defines, under the names the notebook uses (without FILE: the course's own solutions)."))
-    sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="run a chapter's checks")
-    c.add_argument("chapter", help="the notebook's number, e.g. 07")
-    c.add_argument("file", nargs="?", help="a Python file defining the chapter's pieces")
-    sub.add_parser("list", help="the chapters with checks and their pieces")
-    args = p.parse_args(argv)
-    if args.cmd == "list":
-        for ch, items in chapter_checks().items():
-            print(ch, ", ".join(n for n, _ in items))
-        return 0
-    import torch
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")        # before any Triton kernel is defined
-    limit_cpu_threads()
-    return 1 if check_chapter(args.chapter, args.file) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    from .data import path as course_file
+    p = course_file("kernels_bench.json") if path is None else Path(path)
+    if p is None or not p.exists():
+        return None
+    return json.loads(p.read_text())

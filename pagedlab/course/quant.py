@@ -14,35 +14,17 @@ PAGEDLAB_SOLUTIONS=1 the check runs them instead of the learner's code.
 """
 from __future__ import annotations
 
-import inspect
 import json
 from pathlib import Path
 
 import torch
 
-from .checks import CheckFailed
-from .checks import _call as checks_call
-from .checks import _not_written as checks_not_written
-from .checks import _passed as checks_passed
-from .checks import _pick as checks_pick
-from .checks import solution as checks_solution
-from .quantization import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
+from ..quantization import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
+from .chapter import Chapter, CheckFailed
 
-PIECES_FILE = "pieces_quant.py"
-MODULE = "quant_course"
-
-
-def solution(name: str):
-    return checks_solution(name, PIECES_FILE)
-
-
-def show_solution(name: str) -> None:
-    """Print the solution of piece `name` ("quantize_fp8" or "dequantize_fp8"), to read."""
-    print(inspect.getsource(solution(name)))
-
-
-def _call(fn, name, *args):
-    return checks_call(fn, name, *args, module=MODULE)
+# the solutions: notebooks/solutions/pieces_quant.py ("quantize_fp8", "dequantize_fp8")
+chapter = Chapter("pieces_quant.py", module="quant_course")
+solution, show_solution = chapter.solution, chapter.show_solution
 
 
 def _cases():
@@ -95,11 +77,11 @@ def _hint_codes(mine, ref, scale) -> str:
 
 def check_fp8(quantize, dequantize):
     """Check the learner's per-channel FP8 quantize / dequantize against pagedlab.quantization."""
-    quantize = checks_pick(quantize, "quantize_fp8", solution)
-    dequantize = checks_pick(dequantize, "dequantize_fp8", solution)
+    quantize = chapter.pick(quantize, "quantize_fp8")
+    dequantize = chapter.pick(dequantize, "dequantize_fp8")
     for name, w in _cases():
         ref_q, ref_s = quantize_fp8(w)
-        got = _call(quantize, "quantize_fp8", w.clone())
+        got = chapter.call(quantize, "quantize_fp8", w.clone())
         if not (isinstance(got, tuple) and len(got) == 2):
             raise CheckFailed(f"quantize_fp8 ({name}) must return (codes, scale), got {type(got).__name__}")
         q, s = got
@@ -120,7 +102,7 @@ def check_fp8(quantize, dequantize):
             raise CheckFailed(f"quantize_fp8 ({name}): code at {bad} is {q.float()[tuple(bad)].item()}, expected "
                               f"{ref_q.float()[tuple(bad)].item()} (w = {w.float()[tuple(bad)].item():.6g}, "
                               f"scale {ref_s[bad[0]].item():.6g}).\nHint: {_hint_codes(q, ref_q, ref_s)}")
-        back = _call(dequantize, "dequantize_fp8", ref_q, ref_s)
+        back = chapter.call(dequantize, "dequantize_fp8", ref_q, ref_s)
         ref_back = dequantize_fp8(ref_q, ref_s)
         if not torch.is_tensor(back) or back.shape != w.shape or not torch.allclose(back.float(), ref_back, rtol=1e-6, atol=0):
             raise CheckFailed(f"dequantize_fp8 ({name}): does not give the codes times their row's scale.\n"
@@ -132,7 +114,7 @@ def check_fp8(quantize, dequantize):
         try:
             quantize(w)
         except NotImplementedError as e:
-            raise CheckFailed(checks_not_written("quantize_fp8", e, MODULE)) from None
+            raise CheckFailed(chapter.not_written("quantize_fp8", e)) from None
         except ValueError:
             continue
         except Exception as e:
@@ -141,7 +123,7 @@ def check_fp8(quantize, dequantize):
         raise CheckFailed(f"quantize_fp8 accepted a weight holding {bad}.\nHint: an inf would make its row's "
                           f"scale inf and every code of the row 0 or nan -- silently. Refuse it: if not "
                           f"torch.isfinite(w).all(): raise ValueError(...) saying where")
-    checks_passed("quantize_fp8 / dequantize_fp8", f"{len(_cases())} cases equal pagedlab's codes, scales "
+    chapter.passed("quantize_fp8 / dequantize_fp8", f"{len(_cases())} cases equal pagedlab's codes, scales "
                   "and round trips (zeros, an outlier, bf16 input); inf and nan refused")
     return quantize, dequantize
 
@@ -151,7 +133,7 @@ def check_fp8(quantize, dequantize):
 def load_fp8_speed(path: str | Path | None = None) -> dict | None:
     """docs/fp8_speed.json (the lab's run on an H200: bench fp8), or None when it is not here."""
     if path is None:
-        from .course_data import path as course_file
+        from .data import path as course_file
         p = course_file("fp8_speed.json")
         if p is None:
             clone = Path(__file__).resolve().parents[1] / "docs" / "fp8_speed.json"

@@ -24,12 +24,8 @@ choose_decode_plan so the split count is the one the launcher would pick.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-# docs/kernels_bench.json, shipped with pagedlab as course data (pagedlab.course_data)
-H200_BENCH = Path(__file__).resolve().parent / "course_data" / "kernels_bench.json"
 # The shape of docs/kernels_bench.json's decode table (Llama-3.2-1B's attention, bf16, pages of 16).
 BENCH_SHAPE = dict(heads=32, kv_heads=8, head_dim=64, block_size=16, dtype_bytes=2)
 DEFAULT_BLOCK_N = {"naive": 1, "blocked": 64, "gqa": 128, "split_kv": 128}
@@ -64,9 +60,6 @@ class DecodeCost:
     def intensity(self) -> float:
         return self.flops / self.bytes
 
-    def as_dict(self) -> dict:
-        return asdict(self) | {"bytes": self.bytes, "intensity": self.intensity}
-
 
 def used_splits(ctx: int, num_splits: int, block_n: int) -> int:
     """Splits of a ctx-long sequence that do work (split_kv splits each sequence's own length
@@ -86,7 +79,7 @@ def decode_costs(variant: str, batch: int, ctx: int, heads: int = 32, kv_heads: 
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if variant == "auto":
-        from .kernels.decode_attention import choose_decode_plan
+        from .decode_attention import choose_decode_plan
         variant, plan = choose_decode_plan(batch, kv_heads, ctx, sm_count, block_n or DEFAULT_BLOCK_N["split_kv"])
         num_splits = num_splits or plan
     if variant not in DEFAULT_BLOCK_N:
@@ -107,7 +100,7 @@ def decode_costs(variant: str, batch: int, ctx: int, heads: int = 32, kv_heads: 
             splits = 1
         else:
             if num_splits is None:
-                from .kernels.decode_attention import choose_num_splits
+                from .decode_attention import choose_num_splits
                 num_splits = choose_num_splits(batch, kv_heads, ctx, sm_count, block_n)
             splits = num_splits
         programs = batch * kv_heads * splits
@@ -124,21 +117,9 @@ def decode_costs(variant: str, batch: int, ctx: int, heads: int = 32, kv_heads: 
                       scratch, flops)
 
 
-def load_h200_bench(path: str | Path | None = None) -> dict | None:
-    """docs/kernels_bench.json (the lab's H200 run), or None when it is not there (pagedlab
-    installed without its repository)."""
-    if path is None:
-        from .course_data import path as course_file
-        p = course_file("kernels_bench.json")
-    else:
-        p = Path(path)
-    if p is None or not p.exists():
-        return None
-    return json.loads(p.read_text())
-
-
 def h200_rows(bench: dict, variants=("naive", "blocked", "gqa", "split_kv")) -> list[dict]:
-    """One row per (shape, variant) of the committed decode table: the measured time and K/V
+    """One row per (shape, variant) of a `bench kernels` decode table (docs/kernels_bench.json,
+    the lab's H200 run: the course reads it with pagedlab.course.load_h200_bench()): the measured time and K/V
     TB/s (unique K/V bytes / time, as docs/kernels.md counts them) next to decode_costs at the
     same shape. split_kv's split count is what auto chose at that shape (auto_plan) when auto ran
     split_kv there, else the launcher's choose_num_splits."""

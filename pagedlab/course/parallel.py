@@ -31,7 +31,6 @@ the learner's code.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import multiprocessing
@@ -48,18 +47,14 @@ from pathlib import Path
 
 import torch
 
-from .checks import CheckFailed
-from .checks import _not_written as checks_not_written
-from .checks import _pick as checks_pick
-from .checks import solution as checks_solution
-from .config import LLAMA_3_2_1B, ModelConfig, tiny_config
-from .parallel import shard as ref
+from ..config import LLAMA_3_2_1B, ModelConfig, tiny_config
+from ..parallel import shard as ref
+from .chapter import Chapter, CheckFailed
 
-PIECES_FILE = "pieces_parallel.py"
 SIZE = 2                     # ranks in the checks: two processes
 TIMEOUT_S = 20.0             # a collective that waits longer than this fails (a rank that never joins)
-# docs/parallel_bench.json, shipped with pagedlab as course data (pagedlab.course_data)
-BENCH_JSON = Path(__file__).resolve().parent / "course_data" / "parallel_bench.json"
+# docs/parallel_bench.json, shipped with pagedlab as course data (pagedlab.course.data)
+BENCH_JSON = Path(__file__).resolve().parent / "data" / "parallel_bench.json"
 
 # SmolLM2-135M-Instruct's shape (its GGUF metadata): 9 query heads, 3 KV heads.
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -71,24 +66,10 @@ LLAMA_3_1_70B = ModelConfig(vocab_size=128256, hidden_size=8192, intermediate_si
                             max_position_embeddings=131072, name="Llama-3.1-70B")
 
 
-# -- the solutions, read from notebooks/solutions/pieces_parallel.py -----------------------------------
-
-def solution(name: str):
-    return checks_solution(name, PIECES_FILE)
-
-
-def show_solution(name: str) -> None:
-    """Print the solution of piece `name` ("shard", "column_parallel_linear", "row_parallel_linear",
-    "vocab_parallel_embedding"), to read (it does not replace yours)."""
-    print(inspect.getsource(solution(name)))
-
-
-def _pick(fn, name):
-    return checks_pick(fn, name, solution)
-
-
-def _not_written(name, e) -> str:
-    return checks_not_written(name, e, "parallel_course")
+# -- the solutions: notebooks/solutions/pieces_parallel.py ("shard", "column_parallel_linear",
+# "row_parallel_linear", "vocab_parallel_embedding") ---------------------------------------------------
+chapter = Chapter("pieces_parallel.py", module="parallel_course")
+solution, show_solution = chapter.solution, chapter.show_solution
 
 
 # -- N ranks: processes over gloo (or threads) ----------------------------------------------------------
@@ -294,7 +275,7 @@ def _failure(name, outs, hint="") -> str | None:
     size = len(outs)
     for r, o in errs:
         if o.get("not_written"):
-            return _not_written(name, o["error"].split(": ", 1)[-1])
+            return chapter.not_written(name, o["error"].split(": ", 1)[-1])
     where = lambda o: f"\n  while running: {o['where']}" if o.get("where") else ""       # noqa: E731
     own = [(r, o) for r, o in errs if not (o.get("in_collective") or o.get("setup") or o.get("hung"))]
     if own:
@@ -413,7 +394,7 @@ def check_shard(fn, seed: int = 0):
     None: the whole tensor), as pagedlab's parallel.shard.shard; a dimension that does not split into
     `size` equal parts must raise. Returns the function that passed."""
     name = "shard"
-    fn = _pick(fn, name)
+    fn = chapter.pick(fn, name)
     rng = random.Random(seed)
     n = 0
     cases = []
@@ -431,7 +412,7 @@ def check_shard(fn, seed: int = 0):
             try:
                 got = fn(t, rule, rank, size)
             except NotImplementedError as e:
-                raise CheckFailed(_not_written(name, e)) from None
+                raise CheckFailed(chapter.not_written(name, e)) from None
             except Exception as e:                                  # noqa: BLE001
                 raise CheckFailed(f"{call} raised {type(e).__name__}: {e}\n"
                                   f"Hint: {_shard_hint(t, rule, rank, size, None)}") from None
@@ -446,7 +427,7 @@ def check_shard(fn, seed: int = 0):
         try:
             fn(t, rule, 0, size)
         except NotImplementedError as e:
-            raise CheckFailed(_not_written(name, e)) from None
+            raise CheckFailed(chapter.not_written(name, e)) from None
         except Exception:                                           # noqa: BLE001
             n += 1
             continue
@@ -486,7 +467,7 @@ def check_column_parallel(fn, seed: int = 0):
     """fn(x, w_shard) -> this rank's slice of the output features [T, out/N], as
     parallel.shard.column_parallel_linear, on 2 ranks. Returns the function that passed."""
     name = "column_parallel_linear"
-    fn = _pick(fn, name)
+    fn = chapter.pick(fn, name)
     size = SIZE
     cases = _linear_cases(seed, size)
 
@@ -537,7 +518,7 @@ def check_row_parallel(fn, seed: int = 1):
     """fn(x_shard, w_shard, all_reduce) -> the full y = x W^T [T, out] on every rank, as
     parallel.shard.row_parallel_linear, on 2 ranks. Returns the function that passed."""
     name = "row_parallel_linear"
-    fn = _pick(fn, name)
+    fn = chapter.pick(fn, name)
     size = SIZE
     cases = _linear_cases(seed, size)
 
@@ -607,7 +588,7 @@ def check_vocab_embedding(fn, seed: int = 2):
     """fn(ids, embed_shard, rank, all_reduce) -> the embedding rows of ids [T, hidden] on every rank, as
     parallel.shard.vocab_parallel_embedding, on 2 ranks. Returns the function that passed."""
     name = "vocab_parallel_embedding"
-    fn = _pick(fn, name)
+    fn = chapter.pick(fn, name)
     size = SIZE
     cases = _embedding_cases(seed, size)
 
@@ -671,7 +652,7 @@ def rms_norm(x, w, eps):
 
 def rope(x, positions, config):
     """RoPE (rotate-half, the engine's frequencies with llama3 scaling) of x [T, H, D] at positions [T]."""
-    from .kernels.rope import rope_inv_freq
+    from ..kernels.rope import rope_inv_freq
     inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     ang = positions.double()[:, None] * inv[None, :]
     cos, sin = ang.cos().to(x.dtype)[:, None, :], ang.sin().to(x.dtype)[:, None, :]
@@ -723,7 +704,7 @@ def reference_logits(tensors, config, ids):
 
 def tp_layer_case(config=None, tokens: int = 9, seed: int = 0):
     """(config, layer-0 weights in float64, h [T, hidden] in float64, positions) for check_tp_layer."""
-    from .weights import random_checkpoint
+    from ..weights import random_checkpoint
     config = config or tiny_config()
     w = {k: v.double() for k, v in layer_weights(random_checkpoint(config, seed).tensors).items()}
     g = torch.Generator().manual_seed(seed + 1)
@@ -792,7 +773,7 @@ def check_tp_layer(layer_fn, config=None, seed: int = 0):
 
 def model_config(model: str) -> ModelConfig:
     """The ModelConfig of a course model name, without loading its weights when that can be avoided."""
-    from .weights import RANDOM_PRESETS, load_checkpoint
+    from ..weights import RANDOM_PRESETS, load_checkpoint
     name = str(model)
     if name.startswith("random:") and name.split(":", 1)[1] in RANDOM_PRESETS:
         return RANDOM_PRESETS[name.split(":", 1)[1]]()
@@ -808,7 +789,7 @@ def model_config(model: str) -> ModelConfig:
 def load_parallel_bench(path: str | Path | None = None) -> dict | None:
     """docs/parallel_bench.json (the lab's run on two H200s), or None when it is not there."""
     if path is None:
-        from .course_data import path as course_file
+        from .data import path as course_file
         p = course_file("parallel_bench.json")
     else:
         p = Path(path)

@@ -16,35 +16,29 @@ PAGEDLAB_SOLUTIONS=1 the check runs it instead of the learner's function.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import random
 
-from .checks import CheckFailed, solutions_on
-from .checks import solution as checks_solution
+from .chapter import Chapter, CheckFailed
 
-PIECES_FILE = "pieces_serving.py"
+# the solution: notebooks/solutions/pieces_serving.py ("sse_events")
+chapter = Chapter("pieces_serving.py", module="serving_course")
+solution = chapter.solution
 TEXTS = ["Hello", " world", "!", " Paris", "\n", "2 + 2 = 4", " caf\u00e9", " na\u00efve", " \u00fcber",
          " \u65e5\u672c\u8a9e", " \U0001F600", " \U0001F44D\U0001F3FD", ' "quoted"', " back\\slash",
          " tab\there", "data: not an event", "\n\n", " [DONE]", " \u20ac5", ""]
 
 
-# -- the solution, read from notebooks/solutions/pieces_serving.py ------------------------------------
-
-def solution(name: str):
-    return checks_solution(name, PIECES_FILE)
-
-
 def show_solution(name: str = "sse_events") -> None:
     """Print the solution of piece `name`, to read (it does not replace yours)."""
-    print(inspect.getsource(solution(name)))
+    chapter.show_solution(name)
 
 
 # -- streams as pagedlab's server writes them, and as others do -------------------------------------
 
 def _events(rng) -> list[dict]:
     """One request's chunks: a chat or completion stream, 1-2 choices, maybe a usage chunk."""
-    from .server.responses import Envelope, chunk, usage_chunk
+    from ..server.responses import Envelope, chunk, usage_chunk
     kind = rng.choice(["chat", "completion"])
     env = Envelope(kind, rng.choice(["smollm2", "random:tiny", "meta-llama/Llama-3.2-1B-Instruct"]))
     n = rng.choice([1, 1, 1, 2])
@@ -65,7 +59,7 @@ def _events(rng) -> list[dict]:
 def _wire(objs: list[dict], rng, crlf=False, comments=False, split_data=False, fields=False,
           after_done=False) -> bytes:
     """The bytes of a stream of `objs`, then [DONE]; with the variations other servers use."""
-    from .server.responses import SSE_DONE, sse
+    from ..server.responses import SSE_DONE, sse
     parts = [": keep-alive\n\n"] if comments else []
     for obj in objs:
         ev = sse(obj)
@@ -154,9 +148,7 @@ def check_sse_events(fn, trials: int = 12, seed: int = 0):
     """fn(byte_chunks) -> an iterator of the JSON objects of a server-sent event stream (until
     data: [DONE]), on streams cut into network chunks in every way. Returns the function that passed."""
     name = "sse_events"
-    if solutions_on():
-        print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
-        fn = solution(name)
+    fn = chapter.pick(fn, name)
     rng = random.Random(seed)
     count = 0
     for what, how, var in CASES:
@@ -173,9 +165,7 @@ def check_sse_events(fn, trials: int = 12, seed: int = 0):
             except CheckFailed:
                 raise
             except NotImplementedError as e:
-                raise CheckFailed(f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
-                                  "Fill in the cell above and run it, then this check again. Stuck? "
-                                  f"serving_course.show_solution({name!r}) prints one.") from None
+                raise CheckFailed(chapter.not_written(name, e)) from None
             except Exception as e:
                 raise CheckFailed(f"{name} raised {type(e).__name__}: {e}\n  case: {what}\n"
                                   f"  chunks: {_short(chunks)}\n"
@@ -255,10 +245,10 @@ def gil_effect(model: str = "random:tiny", seconds: float = 1.0, **llm_kwargs) -
     """The engine's steps per second with its core on a thread of this process and in a process of
     its own, each while this process is idle and while it is busy with Python (the GIL at work:
     only one thread of a process runs Python at a time). Returns {(where, busy): steps/s}."""
-    from .async_llm import CoreThread
-    from .core_process import CoreProcess
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from ..async_llm import CoreThread
+    from ..core_process import CoreProcess
+    from ..llm import LLM
+    from ..sampling import SamplingParams
     llm_kwargs = dict(dict(device="cpu", dtype="float32", max_num_seqs=4, show_progress=False), **llm_kwargs)
     llm = LLM(model, **llm_kwargs)
     long = SamplingParams(max_tokens=llm.engine.max_model_len - 8, ignore_eos=True)
@@ -313,7 +303,7 @@ def draw_core_split():
 def served_table() -> list[dict]:
     """The committed H200 measurement of docs/serving.md: the same 512-request workload through
     four servers and offline (docs/serve_core_*.json): one row per server and rate."""
-    from .course_data import path
+    from .data import path
     rows = []
     for name, label in (("before_stream", "before: engine thread, SSE"),
                         ("thread_stream", "engine thread + new output path, SSE"),

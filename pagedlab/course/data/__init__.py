@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-_CLONE = HERE.parents[1]
+_CLONE = HERE.parents[2]
 # where each file lives in a clone of the repository
 _IN_CLONE = {"solutions": _CLONE / "notebooks" / "solutions", "figures": _CLONE / "figures",
              "kernels_bench.json": _CLONE / "docs" / "kernels_bench.json",

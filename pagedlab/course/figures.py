@@ -1,6 +1,6 @@
-"""Regenerate every course figure in figures/: `python -m pagedlab.figures [--out DIR]`.
+"""Regenerate every course figure in figures/: `python -m pagedlab.course.figures [--out DIR]`.
 
-The figures are drawn by pagedlab.viz from engine traces of the tiny random Llama running a fixed
+The figures are drawn by pagedlab.course.viz from engine traces of the tiny random Llama running a fixed
 toy workload (ignore_eos, chosen lengths), so the schedule -- and hence every picture -- is the
 same on any machine, CPU or GPU, in about ten seconds. (figures/kernels_*.png and engine_*.png are
 made by the benchmarks, not here.)
@@ -16,28 +16,29 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from . import course, viz  # noqa: E402
-from .kv_cache import blocks_needed  # noqa: E402
+from ..kv_cache import blocks_needed  # noqa: E402
+from . import toy_workload, viz  # noqa: E402
+from .style import ink  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_trace(slots: int, policy: str = "continuous", num_blocks: int | None = None, n: int = 10,
               seed: int = 1, block_size: int = 16, **workload):
-    from .llm import LLM
+    from ..llm import LLM
     llm = LLM("random:tiny", device="cpu", max_num_seqs=slots, policy=policy, num_blocks=num_blocks,
               block_size=block_size, trace=True, show_progress=False, attention_backend="torch")
-    prompts, params = course.toy_workload(n, seed=seed, **workload)
+    prompts, params = toy_workload(n, seed=seed, **workload)
     outs = llm.generate(prompts, params)
     return llm.trace, outs, prompts, params
 
 
 def run_shared_prefix_trace(slots: int = 4, n: int = 8, seed: int = 2, block_size: int = 8):
     """Prefix caching on: n requests that start with the same 'system prompt' (3 blocks)."""
-    from .llm import LLM
+    from ..llm import LLM
     llm = LLM("random:tiny", device="cpu", max_num_seqs=slots, num_blocks=64, block_size=block_size,
               prefix_caching=True, trace=True, show_progress=False, attention_backend="torch")
-    prompts, params = course.toy_workload(n + 1, seed=seed, prompt_len=(6, 14), new_tokens=(6, 12))
+    prompts, params = toy_workload(n + 1, seed=seed, prompt_len=(6, 14), new_tokens=(6, 12))
     system = (prompts[0] * 4)[:3 * block_size]
     llm.generate([system + p for p in prompts[1:]], params[1:])
     return llm.trace
@@ -73,7 +74,7 @@ def _box(ax, x, y, w, h, text="", color="#ffffff", edge="#555555", fontsize=9, r
     ax.add_patch(shape)
     if text:
         ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=fontsize,
-                color=viz._ink(color) if color not in ("#ffffff", "white") else "black")
+                color=ink(color) if color not in ("#ffffff", "white") else "black")
     return shape
 
 
@@ -297,7 +298,7 @@ def make_all(out: Path) -> list[Path]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m pagedlab.figures", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pagedlab.course.figures", description=__doc__)
     p.add_argument("--out", default=str(ROOT / "figures"), help="output folder (default: figures/)")
     args = p.parse_args(argv)
     for path in make_all(Path(args.out)):

@@ -15,96 +15,17 @@ pagedlab's `Scheduler`, without chunked prefill, token budgets or sampling.
 """
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import os
 import random
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .kv_cache import BlockAllocator, OutOfBlocks, blocks_needed
-
-
-class CheckFailed(Exception):
-    """A check found a mistake. In IPython only the message is shown, not a traceback."""
-
-    def _render_traceback_(self):
-        return [f"\x1b[1;31mCheck failed:\x1b[0m {line}" if i == 0 else line
-                for i, line in enumerate(str(self).splitlines())]
-
+from ..kv_cache import BlockAllocator, blocks_needed
+from .chapter import Chapter, CheckFailed
 
 KERNELS_FILE = "pieces_kernels.py"          # the Triton kernels' solutions (they need Triton)
-
-
-def solutions_on() -> bool:
-    return os.environ.get("PAGEDLAB_SOLUTIONS", "0").lower() in ("1", "true", "yes")
-
-
-def pieces_path(pieces_file: str = "pieces.py") -> Path | None:
-    """Where a chapter's piece solutions are: solutions/ beside the notebook (a clone's
-    notebooks/), else the copy pagedlab ships (pagedlab.course_data: installed or cloned)."""
-    from . import course_data
-    p = Path.cwd() / "solutions" / pieces_file
-    return p if p.is_file() else course_data.path(f"solutions/{pieces_file}")
-
-
-def solution(name: str, pieces_file: str = "pieces.py"):
-    """The course's solution of piece `name` (from notebooks/solutions/<pieces_file>)."""
-    path = pieces_path(pieces_file)
-    if path is None:
-        raise CheckFailed(f"solutions/{pieces_file} is not in this pagedlab ({Path(__file__).parent}): "
-                          "reinstall it, or see notebooks/solutions/ in the repository")
-    spec = importlib.util.spec_from_file_location(f"pagedlab_course_{Path(pieces_file).stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not hasattr(mod, name) and pieces_file == "pieces.py":
-        return solution(name, KERNELS_FILE)              # the Triton kernels have a file of their own
-    return getattr(mod, name)
-
-
-def show_solution(name: str) -> None:
-    """Print the solution of piece `name`, to read (it does not replace yours)."""
-    sol = solution(name)
-    print(inspect.getsource(getattr(sol, "fn", sol)))     # a Triton kernel: the function it wraps
-
-
-def _pick(fn, name: str, find_solution=None):
-    """The piece to check: the learner's fn, or with PAGEDLAB_SOLUTIONS=1 the course's solution
-    (find_solution: a chapter's own loader; default this module's)."""
-    if solutions_on():
-        print(f"PAGEDLAB_SOLUTIONS=1: checking the course's solution of {name}")
-        return (find_solution or solution)(name)
-    return fn
-
-
-def _call(fn, name, *args, module: str = "course", **kwargs):
-    """Call the learner's function; a stub or a crash becomes a CheckFailed naming the input
-    (module: the name the notebook imported the chapter's checks as, for the "Stuck?" hint)."""
-    try:
-        return fn(*args, **kwargs)
-    except CheckFailed:
-        raise
-    except NotImplementedError as e:
-        raise CheckFailed(_not_written(name, e, module)) from None
-    except OutOfBlocks as e:
-        raise CheckFailed(f"{name} raised {type(e).__name__}: {e}.\nHint: it asked the allocator for more blocks "
-                          "than are free. A request's blocks fit when blocks_needed(seq.num_tokens, block_size) - "
-                          "len(seq.blocks) <= allocator.num_free: check that before allocate (an off-by-one there "
-                          "asks for a block that is not there).") from None
-    except Exception as e:
-        raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
-
-
-def _not_written(name, e, module: str = "course") -> str:
-    """What a stub's check says (module: the name the notebook imported the chapter's checks as)."""
-    return (f"{name} is not written yet ({e or 'NotImplementedError'}).\n"
-            f"Fill in the cell above and run it, then this check again. Stuck? "
-            f"{module}.show_solution({name.split('.')[0]!r}) prints one.")
-
-
-def _passed(name: str, what: str) -> None:
-    print(f"\u2713 {name}: {what}")
+chapter = Chapter("pieces.py", KERNELS_FILE, module="course")
+solution, show_solution = chapter.solution, chapter.show_solution
 
 
 # -- notebook 07: the block allocator and where token n lives ----------------------------------
@@ -114,13 +35,13 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
     and `.free(blocks)`, against pagedlab's BlockAllocator on random sequences of operations:
     the same blocks handed out, the same free list in the same order, the same owners; asking
     for more blocks than are free, and freeing a block not in use, must raise and change nothing."""
-    cls = _pick(cls, "Allocator")
-    probe = _call(cls, "Allocator", 4)                  # allocate first: the method the text starts with
-    _call(probe.allocate, "Allocator.allocate", "probe", 1)
+    cls = chapter.pick(cls, "Allocator")
+    probe = chapter.call(cls, "Allocator", 4)                  # allocate first: the method the text starts with
+    chapter.call(probe.allocate, "Allocator.allocate", "probe", 1)
     rng = random.Random(seed)
     for trial in range(trials):
         n = rng.choice([1, 2, 5, 12])
-        ours, ref = _call(cls, "Allocator", n), BlockAllocator(n)
+        ours, ref = chapter.call(cls, "Allocator", n), BlockAllocator(n)
         held: dict[str, list[int]] = {}
         log = [f"Allocator({n})"]
         for _ in range(rng.randint(3, 25)):
@@ -133,7 +54,7 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
                     blocks, held[who] = blocks[:k], blocks[k:]
                 log.append(f"free({blocks})")
                 ref.free(blocks)
-                _call(ours.free, "Allocator.free", blocks)
+                chapter.call(ours.free, "Allocator.free", blocks)
             elif rng.random() < 0.15:
                 bad = rng.choice([b for b in range(n) if b not in ref.owner] or [n + 3])
                 log.append(f"free([{bad}])   # not in use: must raise")
@@ -150,13 +71,13 @@ def check_allocator(cls, trials: int = 40, seed: int = 0):
                                   "Allocator.allocate")
                 else:
                     want = ref.allocate(who, k)
-                    got = _call(ours.allocate, "Allocator.allocate", who, k)
+                    got = chapter.call(ours.allocate, "Allocator.allocate", who, k)
                     if list(got or []) != want:
                         raise CheckFailed(_story(log) + f"allocate returned {got}, expected {want}.\n"
                                           "Hint: take blocks from the FRONT of the free list (popleft).")
                     held.setdefault(who, []).extend(want)
             _compare_allocator(ours, ref, log)
-    _passed("Allocator", f"{trials} random runs match pagedlab's BlockAllocator (blocks, free-list order, owners, errors)")
+    chapter.passed("Allocator", f"{trials} random runs match pagedlab's BlockAllocator (blocks, free-list order, owners, errors)")
     return cls
 
 
@@ -165,7 +86,7 @@ def _expect_raise(ours, op, log, why, name="Allocator"):
     try:
         op()
     except NotImplementedError as e:
-        raise CheckFailed(_not_written(name, e)) from None
+        raise CheckFailed(chapter.not_written(name, e)) from None
     except Exception:
         if (list(ours.free_list), dict(ours.owner)) != before:
             raise CheckFailed(_story(log) + "it raised, but changed the free list or the owners first.\n"
@@ -192,8 +113,8 @@ def check_token_slot(fn, trials: int = 200, seed: int = 0):
     """`fn(row, n, block_size)`: the flat cache slot of token n of a sequence whose block-table
     row is `row` (its physical blocks in logical order), against pagedlab's `gather_pages`."""
     import torch
-    from .kernels.paged import gather_pages
-    fn = _pick(fn, "token_slot")
+    from ..kernels.paged import gather_pages
+    fn = chapter.pick(fn, "token_slot")
     rng = random.Random(seed)
     for t in range(trials):
         bs = rng.choice([1, 2, 4, 16])
@@ -203,12 +124,12 @@ def check_token_slot(fn, trials: int = 200, seed: int = 0):
         pool = torch.arange((num_blocks + 3) * bs).reshape(num_blocks + 3, bs, 1, 1)   # the slot numbers
         want = gather_pages(pool, torch.tensor([row], dtype=torch.int32))[0, :length].flatten().tolist()
         for n in sorted({0, length - 1, rng.randrange(length), min(bs, length - 1)}):
-            got = _call(fn, "token_slot", list(row), n, bs)
+            got = chapter.call(fn, "token_slot", list(row), n, bs)
             if got != want[n]:
                 raise CheckFailed(f"token_slot(row={row}, n={n}, block_size={bs}) = {got}, expected {want[n]}.\n"
                                   f"Hint: token {n} is in logical block {n // bs} (physical {row[n // bs]}), "
                                   f"row {n % bs} inside it.")
-    _passed("token_slot", f"{trials} random block tables agree with pagedlab's gather_pages")
+    chapter.passed("token_slot", f"{trials} random block tables agree with pagedlab's gather_pages")
     return fn
 
 
@@ -307,9 +228,9 @@ def _reference_make_room(state, seq) -> bool:
 def pagedlab_schedule(workload, num_slots: int, num_blocks: int, block_size: int = 16):
     """pagedlab's own Scheduler on the workload, driven with dummy tokens (no model): per step,
     what ran and the state after it (see _snapshot)."""
-    from .request import Request
-    from .sampling import SamplingParams
-    from .scheduler import Scheduler
+    from ..request import Request
+    from ..sampling import SamplingParams
+    from ..scheduler import Scheduler
     sched = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=num_slots,
                       max_model_len=10**6, max_num_batched_tokens=10**6, record_views=True)
     for i, (p, m) in enumerate(workload):
@@ -366,9 +287,9 @@ def run_toy(workload, num_slots, num_blocks, step_fn, block_size=16, name="step"
         state.preempted = []
         try:
             if make_room is None:
-                ran = _call(step_fn, name, state)
+                ran = chapter.call(step_fn, name, state)
             else:
-                ran = _call(reference_step, name, state, _wrap_room(make_room, name))
+                ran = chapter.call(reference_step, name, state, _wrap_room(make_room, name))
         except CheckFailed as e:
             if "not written yet" in str(e):
                 raise
@@ -387,7 +308,7 @@ def run_toy(workload, num_slots, num_blocks, step_fn, block_size=16, name="step"
 
 def _wrap_room(make_room, name):
     def room(state, seq):
-        return _call(make_room, name, state, seq)
+        return chapter.call(make_room, name, state, seq)
     return room
 
 
@@ -464,13 +385,13 @@ def check_schedule_step(fn, trials: int = 30, seed: int = 0):
     """`fn(state)`: one engine step with blocks to spare (notebook 08), against pagedlab's
     Scheduler on edge cases (one request, more slots than requests, prompts at block boundaries,
     max_new_tokens=1) and random workloads."""
-    fn = _pick(fn, "schedule_step")
+    fn = chapter.pick(fn, "schedule_step")
     rng = random.Random(seed)
     cases = [([(5, 3)], 1), ([(16, 2), (17, 1), (1, 4)], 4), ([(3, 5), (3, 1), (3, 2), (3, 6), (3, 1)], 2)]
     cases += [(w, rng.randint(1, 4)) for w in _workloads(rng, trials)]
     for workload, slots in cases:
         run_toy(workload, slots, 4096, fn, name="schedule_step")
-    _passed("schedule_step", f"{len(cases)} workloads step for step equal to pagedlab's Scheduler")
+    chapter.passed("schedule_step", f"{len(cases)} workloads step for step equal to pagedlab's Scheduler")
     return fn
 
 
@@ -478,7 +399,7 @@ def check_make_room(fn, trials: int = 40, seed: int = 0):
     """`fn(state, seq)`: make room in the pool for running `seq`'s next token, preempting the newest
     running request as often as needed (notebook 10); True if `seq` keeps its slot. Plugged into
     reference_step and compared with pagedlab's Scheduler on pools too small for the workload."""
-    fn = _pick(fn, "make_room")
+    fn = chapter.pick(fn, "make_room")
     rng = random.Random(seed)
     cases = [([(14, 6), (14, 6)], 2, 2), ([(20, 30), (20, 30), (5, 40)], 3, 5)]
     for w in _workloads(rng, trials, tight=True):
@@ -488,7 +409,7 @@ def check_make_room(fn, trials: int = 40, seed: int = 0):
     for workload, slots, blocks in cases:
         run_toy(workload, slots, blocks, None, name="make_room", make_room=fn)
         preemptions += sum(len(s["preempted"]) for s in pagedlab_schedule(workload, slots, blocks))
-    _passed("make_room", f"{len(cases)} tight pools ({preemptions} preemptions) step for step equal to pagedlab's Scheduler")
+    chapter.passed("make_room", f"{len(cases)} tight pools ({preemptions} preemptions) step for step equal to pagedlab's Scheduler")
     return fn
 
 
@@ -499,8 +420,8 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
     hand over a KV cache: the same tokens as pagedlab's engine, and the model fed exactly
     len(prompt) + n - 1 positions (the prompt once, then one token per step) -- counted by
     wrapping llm.model.forward, so a loop that recomputes the sequence fails."""
-    from .sampling import SamplingParams
-    fn = _pick(fn, "generate_with_cache")
+    from ..sampling import SamplingParams
+    fn = chapter.pick(fn, "generate_with_cache")
     rng = random.Random(seed)
     cases = cases or [(1, 1), (15, 3), (16, 2), (17, 4), (rng.randint(2, 30), rng.randint(1, 6))]
     model = llm.model
@@ -517,7 +438,7 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
         fed.clear()
         model.forward = counting_forward
         try:
-            got = _call(fn, "generate_with_cache", list(prompt), n)
+            got = chapter.call(fn, "generate_with_cache", list(prompt), n)
         finally:
             model.forward = real_forward
         where = f"generate_with_cache(prompt of {plen} tokens, n={n})"
@@ -534,7 +455,7 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
                               "token per step.\nHint: make one cache before the loop and keep it.")
         if work != sum(fed):
             raise CheckFailed(f"{where}: you counted {work} token-positions, the model was fed {sum(fed)}.")
-    _passed("generate_with_cache", f"{len(cases)} prompts: the engine's tokens, the prompt computed once "
+    chapter.passed("generate_with_cache", f"{len(cases)} prompts: the engine's tokens, the prompt computed once "
             "and one position per step")
     return fn
 
@@ -548,8 +469,8 @@ def check_decode_one(fn, trials: int = 12, seed: int = 0):
     at a time with an online softmax. Against pagedlab's decode_attention_torch on scattered pages,
     ragged lengths (1, a block boundary, random) and every KV head."""
     import torch
-    from .kernels.decode_attention import decode_attention_torch
-    fn = _pick(fn, "decode_one")
+    from ..kernels.decode_attention import decode_attention_torch
+    fn = chapter.pick(fn, "decode_one")
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     for t in range(trials):
@@ -567,7 +488,7 @@ def check_decode_one(fn, trials: int = 12, seed: int = 0):
         for b, n in enumerate(lens):
             for h in sorted({0, hq - 1, rng.randrange(hq)}):
                 row = table[b, :blocks_needed(n, bs)].tolist()
-                got = _call(fn, "decode_one", q[b, h], k, v, row, n, h // group, scale)
+                got = chapter.call(fn, "decode_one", q[b, h], k, v, row, n, h // group, scale)
                 if not isinstance(got, torch.Tensor) or tuple(got.shape) != (d,):
                     raise CheckFailed(f"decode_one returned {type(got).__name__} "
                                       f"{tuple(getattr(got, 'shape', ()))}; expected a tensor of shape ({d},).")
@@ -579,7 +500,7 @@ def check_decode_one(fn, trials: int = 12, seed: int = 0):
                         f"{got.float()[:4].tolist()} ...\nHint: key n is k[row[n // block_size], "
                         f"n % block_size, kv_head]; scores are (q . k) * scale; keep the running max m, "
                         f"the sum l and acc, rescaling both by exp(m_old - m_new) when m grows.")
-    _passed("decode_one", f"{trials} random paged caches agree with pagedlab's decode_attention_torch")
+    chapter.passed("decode_one", f"{trials} random paged caches agree with pagedlab's decode_attention_torch")
     return fn
 
 
@@ -593,8 +514,8 @@ def check_rmsnorm_kernel(kernel, seed: int = 0):
     values. Runs on the GPU, or in Triton's interpreter on a CPU (TRITON_INTERPRET=1)."""
     import torch
     import triton
-    from .kernels.rmsnorm import rms_norm_torch
-    kernel = _pick(kernel, "rmsnorm_kernel", lambda name: solution(name, KERNELS_FILE))
+    from ..kernels.rmsnorm import rms_norm_torch
+    kernel = chapter.pick(kernel, "rmsnorm_kernel")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(seed)
     eps = 1e-5
@@ -612,7 +533,7 @@ def check_rmsnorm_kernel(kernel, seed: int = 0):
         try:
             kernel[(rows,)](x, w, out, h, eps, BLOCK=block)
         except NotImplementedError as e:
-            raise CheckFailed(_not_written("rmsnorm_kernel", e)) from None
+            raise CheckFailed(chapter.not_written("rmsnorm_kernel", e)) from None
         except Exception as e:
             raise CheckFailed(f"rmsnorm_kernel on x of shape ({rows}, {h}) raised {type(e).__name__}: "
                               f"{str(e)[:500]}") from None
@@ -620,10 +541,10 @@ def check_rmsnorm_kernel(kernel, seed: int = 0):
         if torch.allclose(out, want, atol=1e-5, rtol=1e-5):
             continue
         if bool(out.isnan().all()):
-            raise CheckFailed(_not_written("rmsnorm_kernel", "it stored nothing: out is still all NaN"))
+            raise CheckFailed(chapter.not_written("rmsnorm_kernel", "it stored nothing: out is still all NaN"))
         where = f"rmsnorm_kernel on x of shape ({rows}, {h}) (BLOCK={block})"
         raise CheckFailed(f"{where}: {_rmsnorm_diagnosis(x, w, out, want, eps, block)}")
-    _passed("rmsnorm_kernel", f"{len(cases)} shapes (rows of 1 to 100, powers of two or not, a zero row, "
+    chapter.passed("rmsnorm_kernel", f"{len(cases)} shapes (rows of 1 to 100, powers of two or not, a zero row, "
             "large values) equal pagedlab's rms_norm_torch")
     return kernel
 
@@ -694,7 +615,7 @@ def check_read_tensor(fn):
 
     import torch
     from safetensors import safe_open
-    fn = _pick(fn, "read_tensor")
+    fn = chapter.pick(fn, "read_tensor")
     with tempfile.TemporaryDirectory(prefix="pagedlab-check-") as folder:
         cases = _safetensors_cases(folder)
         for what, path, tensors in cases:
@@ -705,7 +626,7 @@ def check_read_tensor(fn):
                 try:
                     got = fn(path, name)
                 except NotImplementedError as e:
-                    raise CheckFailed(_not_written("read_tensor", e)) from None
+                    raise CheckFailed(chapter.not_written("read_tensor", e)) from None
                 except Exception as e:
                     raise CheckFailed(f"{where} raised {type(e).__name__}: {str(e)[:300]}\n"
                                       f"{_read_tensor_error_hint(e, name)}") from None
@@ -718,7 +639,7 @@ def check_read_tensor(fn):
                     raise CheckFailed(f"{where}: got {got.flatten()[:4].tolist()} ..., expected "
                                       f"{want.flatten()[:4].tolist()} ...\n"
                                       f"{_read_tensor_value_hint(path, name, got, want_all)}")
-    _passed("read_tensor", f"{sum(len(t) for _, _, t in cases)} tensors in {len(cases)} files (BF16, F16, F32, "
+    chapter.passed("read_tensor", f"{sum(len(t) for _, _, t in cases)} tensors in {len(cases)} files (BF16, F16, F32, "
             "__metadata__, extreme values) equal the safetensors library's")
     return fn
 
@@ -823,10 +744,10 @@ def check_bpe_piece(fn):
     pagedlab's Llama 3 tokenizer) on a small vocabulary learned here -- and on Llama 3's own when
     its file is installed."""
     import tiktoken
-    fn = _pick(fn, "bpe_piece")
+    fn = chapter.pick(fn, "bpe_piece")
     vocabs = [("a small vocabulary (toy_ranks())", toy_ranks())]
     try:
-        from .tokenizer import llama3_tokenizer_file
+        from ..tokenizer import llama3_tokenizer_file
         import base64
         real = {}
         for line in llama3_tokenizer_file().read_bytes().splitlines():
@@ -840,12 +761,12 @@ def check_bpe_piece(fn):
         ref = tiktoken.Encoding("check", pat_str=r"[\s\S]+", mergeable_ranks=ranks, special_tokens={})
         for piece in _bpe_pieces():
             want = ref._encode_bytes(piece) if piece else []
-            got = _call(fn, "bpe_piece", piece, ranks)
+            got = chapter.call(fn, "bpe_piece", piece, ranks)
             n += 1
             if got is None or list(got) != want:
                 raise CheckFailed(f"bpe_piece({piece!r}, ranks) with {what}: got {got}, expected {want}.\n"
                                   f"{_bpe_hint(piece, ranks, got, want)}")
-    _passed("bpe_piece", f"{n} pieces on {len(vocabs)} vocabular{'ies' if len(vocabs) > 1 else 'y'} equal tiktoken's BPE")
+    chapter.passed("bpe_piece", f"{n} pieces on {len(vocabs)} vocabular{'ies' if len(vocabs) > 1 else 'y'} equal tiktoken's BPE")
     return fn
 
 
@@ -906,7 +827,7 @@ def check_attention(fn, seed: int = 0):
     scaled_dot_product_attention on one token, one head, and grouped heads (2 and 3 query heads a
     KV head, one KV head for all)."""
     import torch
-    fn = _pick(fn, "attention")
+    fn = chapter.pick(fn, "attention")
     g = torch.Generator().manual_seed(seed)
     cases = [(1, 1, 1, 4), (6, 4, 2, 8), (7, 6, 2, 4), (5, 3, 1, 8), (9, 4, 4, 16)]
     for t, hq, hkv, d in cases:
@@ -914,7 +835,7 @@ def check_attention(fn, seed: int = 0):
         k = torch.randn(t, hkv, d, generator=g) * 2
         v = torch.randn(t, hkv, d, generator=g)
         where = f"attention(q [{t}, {hq}, {d}], k and v [{t}, {hkv}, {d}])"
-        got = _call(fn, "attention", q.clone(), k.clone(), v.clone())
+        got = chapter.call(fn, "attention", q.clone(), k.clone(), v.clone())
         want = _gqa_reference(q, k, v)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             raise CheckFailed(f"{where} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; "
@@ -923,7 +844,7 @@ def check_attention(fn, seed: int = 0):
             continue
         raise CheckFailed(f"{where}: off by up to {(got.float() - want).abs().nan_to_num(1e9).max().item():.3g}.\n"
                           f"{_attention_hint(q, k, v, got.float())}")
-    _passed("attention", f"{len(cases)} shapes (one token, one head, 2 and 3 query heads a KV head) equal "
+    chapter.passed("attention", f"{len(cases)} shapes (one token, one head, 2 and 3 query heads a KV head) equal "
             "torch's scaled_dot_product_attention")
     return fn
 

@@ -20,41 +20,15 @@ PAGEDLAB_SOLUTIONS=1 the checks run them instead of the learner's code.
 """
 from __future__ import annotations
 
-import inspect
 import random
 
-from .checks import CheckFailed
-from .checks import _call as checks_call
-from .checks import _not_written as checks_not_written
-from .checks import _pick as checks_pick
-from .checks import solution as checks_solution
-from .kv_cache import BlockAllocator, blocks_needed
-from .prefix_cache import hash_chain
+from ..kv_cache import BlockAllocator, blocks_needed
+from ..prefix_cache import hash_chain
+from .chapter import Chapter, CheckFailed
 
-PIECES_FILE = "pieces_prefix.py"
-
-
-# -- the solutions, read from notebooks/solutions/pieces_prefix.py -------------------------------------
-
-def solution(name: str):
-    return checks_solution(name, PIECES_FILE)
-
-
-def show_solution(name: str) -> None:
-    """Print the solution of piece `name` ("block_keys" or "PrefixAllocator"), to read."""
-    print(inspect.getsource(solution(name)))
-
-
-def _pick(fn, name):
-    return checks_pick(fn, name, solution)
-
-
-def _not_written(name, e) -> str:
-    return checks_not_written(name, e, "prefix_course")
-
-
-def _call(fn, name, *args, **kwargs):
-    return checks_call(fn, name, *args, module="prefix_course", **kwargs)
+# the solutions: notebooks/solutions/pieces_prefix.py ("block_keys", "PrefixAllocator")
+chapter = Chapter("pieces_prefix.py", module="prefix_course")
+solution, show_solution = chapter.solution, chapter.show_solution
 
 
 def _short(x, n=160) -> str:
@@ -93,12 +67,12 @@ def check_block_keys(fn, seed: int = 0):
     """fn(token_ids, block_size) -> the keys (bytes) of the full blocks, as pagedlab's hash_chain.
     Returns the function that passed."""
     name = "block_keys"
-    fn = _pick(fn, name)
+    fn = chapter.pick(fn, name)
     rng = random.Random(seed)
     n = 0
     for what, tokens, bs in _key_cases(rng):
         want = hash_chain(list(tokens), bs)
-        got = _call(fn, name, list(tokens), bs)
+        got = chapter.call(fn, name, list(tokens), bs)
         got = list(got) if got is not None else None
         if got is None or not all(isinstance(k, bytes) for k in got):
             raise CheckFailed(f"{name}({_short(tokens)}, {bs}) returned {_short(got)}: expected a list of "
@@ -164,7 +138,7 @@ def _expect_raise(ours, op, log, why, name):
     try:
         op()
     except NotImplementedError as e:
-        raise CheckFailed(_not_written(name, e)) from None
+        raise CheckFailed(chapter.not_written(name, e)) from None
     except Exception:
         if _state(ours) != before:
             raise CheckFailed(_story(log) + "it raised, but changed the allocator first.\n"
@@ -178,12 +152,12 @@ def check_prefix_allocator(cls, trials: int = 40, seed: int = 0, block_size: int
     key_of, lookup(keys), allocate(n, shared=()), free(blocks), register(block, key), against
     pagedlab's BlockAllocator and PrefixCache. Returns the class that passed."""
     name = "PrefixAllocator"
-    cls = _pick(cls, name)
+    cls = chapter.pick(cls, name)
     rng = random.Random(seed)
     bs = block_size
     for trial in range(trials):
         num_blocks = rng.choice([3, 4, 6, 10])
-        ours, ref = _call(cls, name, num_blocks), BlockAllocator(num_blocks)
+        ours, ref = chapter.call(cls, name, num_blocks), BlockAllocator(num_blocks)
         log = [f"PrefixAllocator({num_blocks})   # blocks of {bs} tokens"]
         # a few shared prefixes; each request = a prefix + its own tokens
         prefixes = [[rng.randrange(3, 50) for _ in range(rng.choice([bs, 2 * bs, 2 * bs + 1]))] for _ in range(2)]
@@ -197,7 +171,7 @@ def check_prefix_allocator(cls, trials: int = 40, seed: int = 0, block_size: int
                     blocks = blocks[::-1]         # evicts a chain from its end); any order must work
                 log.append(f"free({blocks})   # {rid} finished")
                 ref.free(blocks)
-                _call(ours.free, f"{name}.free", blocks)
+                chapter.call(ours.free, f"{name}.free", blocks)
             elif r < 0.47:                                                # a block nobody holds
                 bad = rng.choice([b for b in range(num_blocks) if b not in ref.ref_count] or [num_blocks + 2])
                 log.append(f"free([{bad}])   # nobody holds it: must raise")
@@ -214,7 +188,7 @@ def check_prefix_allocator(cls, trials: int = 40, seed: int = 0, block_size: int
                 want_hits = ref.prefix_cache.match(list(keys), tokens, bs, usable)
                 log.append(f"lookup(keys[:{usable}])   # {rid}: {len(tokens)} tokens, "
                            f"{len(keys)} full blocks")
-                got_hits = _call(ours.lookup, f"{name}.lookup", keys[:usable])
+                got_hits = chapter.call(ours.lookup, f"{name}.lookup", keys[:usable])
                 if list(got_hits or []) != want_hits:
                     raise CheckFailed(_story(log) + f"lookup returned {got_hits}, expected {want_hits}.\n"
                                       "Hint: walk the keys in order and stop at the first key that is not in "
@@ -230,7 +204,7 @@ def check_prefix_allocator(cls, trials: int = 40, seed: int = 0, block_size: int
                     _compare(ours, ref, log)
                     continue
                 want = ref.allocate(rid, fresh, shared=want_hits)
-                got = _call(ours.allocate, f"{name}.allocate", fresh, shared=want_hits)
+                got = chapter.call(ours.allocate, f"{name}.allocate", fresh, shared=want_hits)
                 if list(got or []) != want:
                     raise CheckFailed(_story(log) + f"allocate returned {got}, expected {want}.\n"
                                       "Hint: return the shared blocks first, then the fresh ones in the order "
@@ -243,7 +217,7 @@ def check_prefix_allocator(cls, trials: int = 40, seed: int = 0, block_size: int
                     log.append(f"register blocks {len(want_hits)}..{full - 1} of {rid}")
                     for j in range(len(want_hits), full):
                         ref.prefix_cache.register(want[j], keys[j])
-                        _call(ours.register, f"{name}.register", want[j], keys[j])
+                        chapter.call(ours.register, f"{name}.register", want[j], keys[j])
             _compare(ours, ref, log)
     print(f"\u2713 {name}: {trials} random runs of requests sharing prefixes match pagedlab's BlockAllocator "
           "(hits, blocks handed out, free list, LRU of cached blocks, reference counts, keys, errors)")

@@ -1,0 +1,84 @@
+"""python -m pagedlab.course check CHAPTER [FILE]: a chapter's checks outside Jupyter (on the pieces
+FILE defines; without FILE on the course's own solutions); `list` names the chapters and pieces."""
+from __future__ import annotations
+
+import os
+
+from . import CheckFailed, limit_cpu_threads
+
+
+def chapter_checks() -> dict:
+    """Chapter -> [(piece name, its check)]: what `python -m pagedlab.course check` runs. (05's
+    decode loop is checked in its notebook only: it drives the notebook's model and helpers.)"""
+    from . import checks, parallel, prefix, serving
+    return {
+        "01": [("bpe_piece", checks.check_bpe_piece)],
+        "02": [("read_tensor", checks.check_read_tensor)],
+        "03": [("attention", checks.check_attention)],
+        "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel)],
+        "06": [("decode_one", checks.check_decode_one)],
+        "07": [("Allocator", checks.check_allocator), ("token_slot", checks.check_token_slot)],
+        "08": [("schedule_step", checks.check_schedule_step)],
+        "10": [("make_room", checks.check_make_room)],
+        "11": [("sse_events", serving.check_sse_events)],
+        "12": [("block_keys", prefix.check_block_keys),
+               ("PrefixAllocator", prefix.check_prefix_allocator)],
+        "13": [("shard", parallel.check_shard),
+               ("column_parallel_linear", parallel.check_column_parallel),
+               ("row_parallel_linear", parallel.check_row_parallel),
+               ("vocab_parallel_embedding", parallel.check_vocab_embedding)],
+    }
+
+
+def check_chapter(chapter: str, path: str | None = None) -> int:
+    """Run a chapter's checks on the pieces a Python file defines (path=None: on the course's
+    solutions). Prints each check's verdict; returns how many failed or were missing."""
+    import runpy
+    table = chapter_checks()
+    chapter = f"{int(chapter):02d}" if str(chapter).isdigit() else str(chapter)
+    if chapter not in table:
+        raise SystemExit(f"no checks for chapter {chapter!r}: chapters with pieces are {', '.join(table)} "
+                         "(05's decode loop is checked in its notebook)")
+    if path is None:
+        os.environ["PAGEDLAB_SOLUTIONS"] = "1"
+        pieces = {}
+    else:
+        pieces = runpy.run_path(str(path), run_name="pagedlab_course_pieces")
+    failed = 0
+    for name, check in table[chapter]:
+        if path is not None and name not in pieces:
+            print(f"\u2717 {name}: {path} defines no {name}")
+            failed += 1
+            continue
+        try:
+            check(pieces.get(name))
+        except CheckFailed as e:
+            print(f"\u2717 {name}: {e}")
+            failed += 1
+    return failed
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m pagedlab.course", description=(
+        "Check a chapter's pieces outside Jupyter: the functions and classes a Python file of yours "
+        "defines, under the names the notebook uses (without FILE: the course's own solutions)."))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="run a chapter's checks")
+    c.add_argument("chapter", help="the notebook's number, e.g. 07")
+    c.add_argument("file", nargs="?", help="a Python file defining the chapter's pieces")
+    sub.add_parser("list", help="the chapters with checks and their pieces")
+    args = p.parse_args(argv)
+    if args.cmd == "list":
+        for ch, items in chapter_checks().items():
+            print(ch, ", ".join(n for n, _ in items))
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")        # before any Triton kernel is defined
+    limit_cpu_threads()
+    return 1 if check_chapter(args.chapter, args.file) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
