@@ -567,3 +567,68 @@ def test_check_a_chapter_from_the_command_line(tmp_path):
     assert r.returncode == 1 and "defines no make_room" in r.stdout, r.stdout + r.stderr
     r = run("check", "8")
     assert r.returncode == 0 and "\u2713 schedule_step" in r.stdout, r.stdout + r.stderr
+
+
+# -- 00: the slot timeline; 09: the engine step ---------------------------------------------------------
+
+def _timeline_variant(**bug):
+    """The course's timeline with one planted bug."""
+    def timeline(trace):
+        steps = trace.steps
+        if bug.get("per_step"):                         # one row per step instead of per slot
+            return "\n".join("".join("." if r is None else "abcdefghijklmnopqrstuvwxyz"[r % 26]
+                                     for r in s.slot_request) for s in steps)
+        rows = []
+        for slot in range(trace.num_slots):
+            marks = ""
+            for s in steps:
+                rid, phase = s.slot_request[slot], s.slot_phase[slot]
+                if rid is None:
+                    marks += " " if bug.get("blank_idle") else "."
+                    continue
+                letter = "abcdefghijklmnopqrstuvwxyz"[rid % 26] if not bug.get("no_wrap") else chr(ord("a") + rid)
+                upper = (phase == "decode") if bug.get("case_swapped") else (phase == "prefill")
+                marks += letter.upper() if upper else letter
+            rows.append(f"slot {slot} | {marks} |" if bug.get("frame") else f"slot {slot:2d} |{marks}|")
+        return "\n".join(rows)
+    return timeline
+
+
+def test_timeline_check(sol, capsys):
+    assert checks.check_timeline(sol.timeline) is sol.timeline
+    assert "\u2713 timeline" in capsys.readouterr().out
+    msg = fails(checks.check_timeline, stub, "timeline is not written yet", "course.show_solution('timeline')")
+    assert "Traceback" not in msg
+    for bug, words in [("case_swapped", ["UPPER case marks the step where the request was prefilled"]),
+                       ("per_step", ["one ROW per slot"]),
+                       ("blank_idle", ["an idle slot (slot_request is None) is '.'"]),
+                       ("no_wrap", ["ids past 25 wrap around", "rid % 26"]),
+                       ("frame", ["the frame is not"])]:
+        fails(checks.check_timeline, _timeline_variant(**{bug: True}), *words)
+    assert checks.check_timeline(_timeline_variant()) is not None          # the variant helper is sound
+
+
+def _step_variant(bug):
+    def engine_step(scheduler, runner):
+        if bug == "schedule_twice":
+            scheduler.schedule()
+        batch = scheduler.schedule()
+        if batch.empty and bug != "run_empty":
+            return batch
+        tokens = runner.run(batch)
+        if bug == "no_accept":
+            return batch
+        scheduler.accept(batch, tokens[::-1] if bug == "reversed" else tokens)
+        return batch
+    return engine_step
+
+
+def test_engine_step_check(sol, capsys):
+    assert checks.check_engine_step(sol.engine_step) is sol.engine_step
+    assert "\u2713 engine_step" in capsys.readouterr().out
+    fails(checks.check_engine_step, stub, "engine_step is not written yet", "course.show_solution('engine_step')")
+    fails(checks.check_engine_step, _step_variant("no_accept"), "scheduler.accept(batch, tokens) appends them")
+    fails(checks.check_engine_step, _step_variant("schedule_twice"), "schedule() once per step")
+    fails(checks.check_engine_step, _step_variant("run_empty"), "batch.empty is True", "return before runner.run")
+    fails(checks.check_engine_step, _step_variant("reversed"), "accept exactly what the runner returned")
+    assert checks.check_engine_step(_step_variant(None)) is not None

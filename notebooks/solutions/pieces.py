@@ -164,3 +164,29 @@ def attention(q, k, v):                          # q [T, Hq, D], k/v [T, Hkv, D]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()      # key <= query, itself included
     p = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", p, v)
+
+
+# -- 00 -----------------------------------------------------------------------------------------
+def timeline(trace):
+    rows = []
+    for slot in range(trace.num_slots):
+        marks = ""
+        for s in trace.steps:
+            rid, phase = s.slot_request[slot], s.slot_phase[slot]
+            if rid is None:
+                marks += "."                                    # idle
+            else:
+                letter = "abcdefghijklmnopqrstuvwxyz"[rid % 26]
+                marks += letter.upper() if phase == "prefill" else letter
+        rows.append(f"slot {slot:2d} |{marks}|")
+    return "\n".join(rows)
+
+
+# -- 09 -----------------------------------------------------------------------------------------
+def engine_step(scheduler, runner):
+    batch = scheduler.schedule()              # who runs this step, with which blocks (plain Python)
+    if batch.empty:                           # nothing to run
+        return batch
+    tokens = runner.run(batch)                # the device: forward and sample, one read to the host
+    scheduler.accept(batch, tokens)           # tokens appended, stops found, finished freed
+    return batch

@@ -12,6 +12,7 @@ def chapter_checks() -> dict:
     decode loop is checked in its notebook only: it drives the notebook's model and helpers.)"""
     from . import checks, parallel, prefix, serving
     return {
+        "00": [("timeline", checks.check_timeline)],
         "01": [("bpe_piece", checks.check_bpe_piece)],
         "02": [("read_tensor", checks.check_read_tensor)],
         "03": [("attention", checks.check_attention)],
@@ -19,6 +20,7 @@ def chapter_checks() -> dict:
         "06": [("decode_one", checks.check_decode_one)],
         "07": [("Allocator", checks.check_allocator), ("token_slot", checks.check_token_slot)],
         "08": [("schedule_step", checks.check_schedule_step)],
+        "09": [("engine_step", checks.check_engine_step)],
         "10": [("make_room", checks.check_make_room)],
         "11": [("sse_events", serving.check_sse_events)],
         "12": [("block_keys", prefix.check_block_keys),

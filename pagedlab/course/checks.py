@@ -877,3 +877,251 @@ def _attention_hint(q, k, v, got) -> str:
             return f"Hint: scale the scores by 1/sqrt(head_dim) = 1/sqrt({d}) ({what} was used)."
     return ("Hint: scores = q . k / sqrt(D) for query head h against KV head h // (Hq // Hkv), -inf above "
             "the diagonal, softmax over the keys, then the weighted sum of v.")
+
+
+# -- notebook 00: the slot timeline, read from the trace -------------------------------------------
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _toy_trace(num_slots: int, steps: list[tuple[list, list]]):
+    """A pagedlab Trace holding only what a timeline reads: per step, each slot's request and phase."""
+    from ..trace import StepRecord, Trace
+    t = Trace(num_slots, block_size=16, num_blocks=8)
+    for k, (req, phase) in enumerate(steps):
+        t.append(StepRecord(step=k, start_s=0.0, duration_s=0.0, slot_request=list(req), slot_phase=list(phase),
+                            block_table=[[] for _ in req], pool_used=0, pool_total=8, queue=[], emitted={},
+                            num_tokens=0))
+    return t
+
+
+def _random_trace(rng, num_slots: int, num_steps: int, first_id: int = 0):
+    """Requests run in slots one after another: a prefill step, then decode steps; idle gaps between."""
+    steps = [([None] * num_slots, [None] * num_slots) for _ in range(num_steps)]
+    rid = first_id
+    for slot in range(num_slots):
+        k = rng.randint(0, 2)
+        while k < num_steps:
+            n = rng.randint(1, 6)
+            for j in range(k, min(k + n, num_steps)):
+                steps[j][0][slot], steps[j][1][slot] = rid, ("prefill" if j == k else "decode")
+            rid += 1
+            k += n + rng.choice([0, 0, 1, 3])
+    return _toy_trace(num_slots, steps)
+
+
+def _timeline_cases(rng):
+    cases = [("one slot, one request: a prefill then three decodes",
+              _toy_trace(1, [([0], ["prefill"])] + [([0], ["decode"])] * 3)),
+             ("two slots, the second idle at first",
+              _toy_trace(2, [([0, None], ["prefill", None]), ([0, 1], ["decode", "prefill"]), ([None, 1], [None, "decode"])])),
+             ("a slot idle for the whole trace", _toy_trace(3, [([0, None, 2], ["prefill", None, "prefill"]),
+                                                                 ([0, None, 2], ["decode", None, "decode"])])),
+             ("request ids past 25 (letters wrap around: request 26 is 'a' again)",
+              _toy_trace(2, [([25, 26], ["prefill", "prefill"]), ([25, 27], ["decode", "prefill"]),
+                             ([52, 27], ["prefill", "decode"])]))]
+    for _ in range(8):
+        cases.append(("random", _random_trace(rng, rng.randint(1, 5), rng.randint(1, 30), rng.choice([0, 0, 20]))))
+    return cases
+
+
+def _timeline_hint(trace, got: str, want: str) -> str:
+    g, w = got.splitlines(), want.splitlines()
+    if len(g) != len(w):
+        if len(g) == len(trace):
+            return ("there is one line per STEP: the timeline has one ROW per slot (trace.num_slots of them), "
+                    "one COLUMN per step.")
+        return f"{len(g)} lines, expected {len(w)}: one row per slot (trace.num_slots = {trace.num_slots})."
+    if got.lower() == want.lower():
+        return ("the letters' case is off: UPPER case marks the step where the request was prefilled "
+                    "(slot_phase == 'prefill'), lower case each decode step.")
+    strip = lambda rows: [r.split("|")[1] if r.count("|") >= 2 else r for r in rows]   # noqa: E731
+    if [r.strip(" ") for r in strip(g)] == strip(w):
+        return "the marks are right; the frame is not: each row is f\"slot {slot:2d} |\" + marks + \"|\"."
+    for row, (a, b) in enumerate(zip(strip(g), strip(w))):
+        if a != b:
+            col = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            s = trace.steps[col] if col < len(trace) else None
+            rid = s.slot_request[row] if s is not None else None
+            if rid is not None and rid >= len(LETTERS) and b[col:col + 1].lower() == LETTERS[rid % 26]:
+                return (f"request {rid} at step {col}: ids past 25 wrap around: the letter is "
+                        f"'abcdefghijklmnopqrstuvwxyz'[rid % 26] ('{LETTERS[rid % 26]}').")
+            if len(a) != len(b):
+                return f"slot {row}'s row has {len(a)} marks, expected {len(b)}: one per step ({len(trace)} steps)."
+            if b[col] == ".":
+                return f"slot {row} is idle at step {col}: an idle slot (slot_request is None) is '.'."
+            if a[col].lower() == b[col].lower():
+                return ("the letters' case is off: UPPER case marks the step where the request was prefilled "
+                        "(slot_phase == 'prefill'), lower case each decode step.")
+            return (f"slot {row}, step {col}: request {rid}, phase {s.slot_phase[row] if s else None}: "
+                    f"expected {b[col]!r}, got {a[col]!r}.")
+    return "compare your text with the expected one above, character by character."
+
+
+def check_timeline(fn, trace=None, seed: int = 0):
+    """fn(trace) -> the slot timeline as text, equal to pagedlab's Trace.timeline(): one row per
+    slot, f"slot {slot:2d} |" + one mark per step + "|"; the mark is the request's letter
+    ('abc...z'[rid % 26]), UPPER case at its prefill step, lower case at a decode step, '.' when the
+    slot is idle. On hand-made traces (edge cases, random ones) and `trace` (the notebook's own)."""
+    fn = chapter.pick(fn, "timeline")
+    cases = _timeline_cases(random.Random(seed))
+    if trace is not None:
+        cases.append(("the notebook's trace", trace))
+    for what, t in cases:
+        want = t.timeline()
+        got = chapter.call(fn, "timeline", t)
+        if not isinstance(got, str):
+            raise CheckFailed(f"timeline returned a {type(got).__name__}, expected the text (a str): "
+                              "the rows joined with '\\n'.")
+        if got.rstrip("\n") != want:
+            raise CheckFailed(f"case: {what} ({t.num_slots} slots, {len(t)} steps)\nexpected:\n{want}\ngot:\n{got}\n"
+                              f"Hint: {_timeline_hint(t, got.rstrip(chr(10)), want)}")
+    chapter.passed("timeline", f"{len(cases)} traces (an idle slot, ids past 25, random ones) equal "
+                   "pagedlab's Trace.timeline()")
+    return fn
+
+
+# -- notebook 09: the engine's step, schedule -> run -> accept -----------------------------------------
+
+class _Watched:
+    """A scheduler or runner whose calls of `names` are logged as (name, args, result)."""
+
+    def __init__(self, obj, names, log):
+        self._obj, self._names, self._log = obj, names, log
+
+    def __getattr__(self, attr):
+        value = getattr(self._obj, attr)
+        if attr in self._names:
+            def call(*args, **kwargs):
+                entry = [attr, args, None]
+                self._log.append(entry)
+                entry[2] = value(*args, **kwargs)
+                return entry[2]
+            return call
+        return value
+
+
+STEP_HINTS = {
+    "no schedule": "a step starts with batch = scheduler.schedule(): who runs, with which blocks.",
+    "schedule twice": ("schedule() once per step: the batch it returns already moved requests into slots and "
+                       "gave them blocks, so every batch it returns must be run and accepted."),
+    "empty run": ("scheduler.schedule() found nothing to run (batch.empty is True): return before "
+                  "runner.run -- there is no batch to send to the device."),
+    "no run": "the batch goes to the device: tokens = runner.run(batch).",
+    "run other": "run the batch that schedule() returned: runner.run(batch).",
+    "no accept": ("the tokens never reach the requests: scheduler.accept(batch, tokens) appends them, finds "
+                  "the stops, finishes requests and frees their blocks."),
+    "accept other": ("accept exactly what the runner returned, in its order: scheduler.accept(batch, tokens) "
+                     "(the tokens are in batch.sampled order)."),
+}
+
+
+def _step_diagnosis(log, partial: bool = False) -> str | None:
+    """What is wrong with one step's calls (None: schedule -> run -> accept, as they should be).
+    partial: the step raised after these calls (a missing call is not the mistake then)."""
+    names = [n for n, _, _ in log]
+    if partial and not names:
+        return None
+    if "schedule" not in names:
+        return "no schedule"
+    if names.count("schedule") > 1:
+        return "schedule twice"
+    batch = log[names.index("schedule")][2]
+    if batch is None:                                  # schedule() itself raised
+        return None
+    if batch.empty:
+        return "empty run" if "run" in names else None
+    if "run" not in names:
+        return None if partial else "no run"
+    run = log[names.index("run")]
+    if len(run[1]) < 1 or run[1][0] is not batch:
+        return "run other"
+    if "accept" not in names:
+        return None if partial else "no accept"
+    acc = log[names.index("accept")]
+    if len(acc[1]) < 2 or acc[1][0] is not batch or run[2] is None or list(acc[1][1]) != list(run[2]):
+        return "accept other"
+    return None
+
+
+def _step_calls(fn, engine, what, k) -> list:
+    """Run the learner's step on `engine`'s scheduler and runner; the calls it made. A step that
+    raises fails with the hint its calls so far point to."""
+    log = []
+    try:
+        fn(_Watched(engine.scheduler, ("schedule", "accept"), log), _Watched(engine.runner, ("run",), log))
+    except CheckFailed:
+        raise
+    except NotImplementedError as e:
+        raise CheckFailed(chapter.not_written("engine_step", e)) from None
+    except Exception as e:
+        calls = ", ".join(f"{n}()" for n, _, _ in log) or "nothing"
+        bad = _step_diagnosis(log, partial=True)
+        raise CheckFailed(f"case: {what}, step {k}: your step called {calls} and raised {type(e).__name__}: {e}"
+                          + (f"\nHint: {STEP_HINTS[bad]}" if bad else "")) from None
+    return log
+
+
+def _engine_cases(rng):
+    """(what, engine keywords, [(prompt, params)]): roomy, one slot, and a pool tight enough to preempt."""
+    from ..sampling import SamplingParams
+
+    def work(n, new=(1, 7)):
+        return [([rng.randrange(3, 250) for _ in range(rng.randint(2, 9))],
+                 SamplingParams(max_new_tokens=rng.randint(*new), ignore_eos=True)) for _ in range(n)]
+    return [("3 requests, 2 slots", dict(max_num_seqs=2, num_blocks=24), work(3)),
+            ("one slot, one new token each", dict(max_num_seqs=1, num_blocks=8), work(3, (1, 1))),
+            ("4 slots, a pool of 6 blocks of 4 tokens: requests are preempted", dict(max_num_seqs=4, num_blocks=6),
+             work(5, (4, 9)))]
+
+
+def check_engine_step(fn, seed: int = 0):
+    """fn(scheduler, runner): one engine step -- batch = scheduler.schedule(); if the batch is empty,
+    return; tokens = runner.run(batch); scheduler.accept(batch, tokens). Run step after step on
+    pagedlab's tiny random Llama (CPU, fp32) beside pagedlab's own Engine.step on the same requests:
+    each step must make exactly those calls, and after every step each request's tokens and state
+    must be pagedlab's; with nothing left to run, a step must not call the runner."""
+    from ..llm import LLM
+    fn = chapter.pick(fn, "engine_step")
+    ckpt = None
+    cases = _engine_cases(random.Random(seed))
+    for what, kw, work in cases:
+        engines = []
+        for _ in range(2):
+            llm = LLM("random:tiny", device="cpu", dtype="float32", block_size=4, show_progress=False,
+                      attention_backend="torch", overlap=False, checkpoint=ckpt, **kw)
+            ckpt = llm.checkpoint
+            ids = [llm.engine.add_request(prompt, params) for prompt, params in work]
+            engines.append(llm.engine)
+        ours, ref = engines
+        mine = {r.request_id: r for r in ours.scheduler.waiting}
+        theirs = {r.request_id: r for r in ref.scheduler.waiting}
+        assert sorted(mine) == sorted(theirs) == sorted(ids)
+        k = 0
+        while ref.scheduler.has_work() or k == 0:
+            log = _step_calls(fn, ours, what, k)
+            ref.step()
+            got = {i: (list(r.output_token_ids), r.status.name.lower()) for i, r in mine.items()}
+            want = {i: (list(r.output_token_ids), r.status.name.lower()) for i, r in theirs.items()}
+            bad = _step_diagnosis(log) or ("accept other" if got != want else None)
+            if bad is not None:
+                calls = ", ".join(f"{n}()" for n, _, _ in log) or "nothing"
+                diff = next((i for i in want if got[i] != want[i]), None)
+                shown = (f"\n  then request {diff} has tokens {got[diff][0]} ({got[diff][1]}), expected "
+                         f"{want[diff][0]} ({want[diff][1]})") if diff is not None else ""
+                raise CheckFailed(f"case: {what}, step {k}: your step called {calls}.{shown}\n"
+                                  f"Hint: {STEP_HINTS[bad]}")
+            k += 1
+            if k > 500:
+                raise CheckFailed(f"case: {what}: 500 steps and pagedlab's engine is not done (a bug of the check)")
+        log = _step_calls(fn, ours, what, "with nothing left to run")    # must not run anything
+        bad = _step_diagnosis(log)
+        if bad is not None:
+            raise CheckFailed(f"case: {what}, a step with nothing left to run: your step called "
+                              f"{', '.join(n + '()' for n, _, _ in log) or 'nothing'}.\nHint: {STEP_HINTS[bad]}")
+        if ours.scheduler.allocator.num_used:
+            raise CheckFailed(f"case: {what}: after the last step {ours.scheduler.allocator.num_used} blocks are "
+                              f"still held.\nHint: {STEP_HINTS['no accept']}")
+    chapter.passed("engine_step", f"{len(cases)} workloads (one slot, two, a tight pool with preemptions) step "
+                   "for step equal to pagedlab's Engine.step, and an idle step runs nothing")
+    return fn
