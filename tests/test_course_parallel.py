@@ -291,3 +291,21 @@ def test_model_config_and_bench(tmp_path):
         ref.check_split(pc.SMOLLM2_135M, 2)
     ref.check_split(pc.SMOLLM2_135M, 3)
     assert pc.load_parallel_bench(tmp_path / "absent.json") is None
+
+
+def test_parallel_bench_verdict_is_read_from_its_rows():
+    """docs/parallel_bench.json's verdict is what `bench parallel` writes from the rows beside it
+    (pagedlab.bench.parallel.verdict), so no number in it can contradict them; and its comparison
+    of the NCCL time with what halving the weights saved follows the numbers both ways."""
+    import copy
+
+    from pagedlab.bench.parallel import verdict
+    bench = pc.load_parallel_bench()
+    assert bench["verdict"] == verdict(bench["rows"])
+    rows = copy.deepcopy(bench["rows"])
+    tp2 = next(r for r in rows if r["config"] == "TP=2")["profile"]["batch1"]
+    one = next(r for r in rows if r["config"] == "TP=1")["profile"]["batch1"]
+    saved = one["kernel_total_us"] - (tp2["kernel_total_us"] - tp2["nccl_us"])
+    assert ("less than that saving" in verdict(rows)) == (tp2["nccl_us"] < saved)
+    tp2["kernel_total_us"] += saved                      # a TP=2 step whose non-NCCL kernels saved nothing
+    assert "(more than that saving)" in verdict(rows)

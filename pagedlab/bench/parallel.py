@@ -35,6 +35,43 @@ def nccl_us(kernel_us: dict) -> float:
     return sum(v for k, v in kernel_us.items() if "nccl" in k.lower())
 
 
+def verdict(rows: list[dict]) -> str:
+    """What the rows say, in words, every number read from them: each configuration against one GPU
+    (offline and one-stream throughput) and, for tensor parallelism, where its batch-1 step went --
+    the kernels other than NCCL's (what halving the weights saved), the NCCL kernels, and the rest
+    of the step (launches and ranks waiting for each other)."""
+    by = {r["config"]: r for r in rows}
+    one = by.get("TP=1")
+    if one is None:
+        return "no TP=1 row: nothing to compare against"
+    parts = []
+    for r in rows:
+        if r is one:
+            continue
+        off, stream = r["offline_tok_s"] / one["offline_tok_s"], r["one_stream_tok_s"] / one["one_stream_tok_s"]
+        text = f"{r['config']} gives {off:.2f}x the offline tokens/s of one GPU and {stream:.2f}x its one-stream speed"
+        if r.get("tp", 1) > 1:
+            a, b = one["profile"]["batch1"], r["profile"]["batch1"]
+            saved = a["kernel_total_us"] - (b["kernel_total_us"] - b["nccl_us"])
+            grew = b["step_us"] - a["step_us"]
+            text += (f": per batch-1 step its kernels other than NCCL's took {b['kernel_total_us'] - b['nccl_us']:,.0f} us "
+                     f"against one GPU's {a['kernel_total_us']:,.0f} (halving the weights saved {saved:,.0f} us) and "
+                     f"its collectives {b['nccl_us']:,.0f} us of NCCL kernels "
+                     + ("(more than that saving)" if b["nccl_us"] > saved else "(less than that saving)")
+                     + f", so its kernels took {b['kernel_total_us']:,.0f} us in all against {a['kernel_total_us']:,.0f}; "
+                     f"yet the profiled step {'grew' if grew > 0 else 'shrank'} from {a['step_us']:,.0f} to "
+                     f"{b['step_us']:,.0f} us: " + ("the difference is not kernel time but the gaps between kernels "
+                                                      "(launches, the ranks waiting for each other in every collective)"
+                                                      if grew > 0 and b["kernel_total_us"] <= a["kernel_total_us"] + grew / 2
+                                                      else "kernel time and the gaps between kernels together"))
+        parts.append(text)
+    best = max(rows, key=lambda r: (r["offline_tok_s"], r["one_stream_tok_s"]))
+    fastest = max(rows, key=lambda r: r["one_stream_tok_s"])
+    head = (f"{best['config']} has the most offline throughput, {fastest['config']} the fastest single stream. "
+            if best is not fastest else f"{best['config']} wins on both offline throughput and a single stream. ")
+    return head + "; ".join(parts) + "."
+
+
 def measure(ckpt, tp: int, dp: int, prompts, out_lens, slots: int, max_len: int) -> dict:
     from pagedlab.llm import LLM
     t0 = time.perf_counter()
@@ -156,6 +193,7 @@ def main(argv=None):
     if not result["rows"]:
         write_json(out / "parallel_bench.json", result)
         return
+    result["verdict"] = verdict(result["rows"])
     base = result["rows"][0]
     lines = [f"device: {result['device_line']}; model: {result['model']}", "",
              "| config | one stream tok/s | TTFT ms | ITL p50 ms | offline tok/s | vs first | "
@@ -169,8 +207,8 @@ def main(argv=None):
                      f"{r['weight_GB_per_gpu']:.2f} |")
     write_json(out / "parallel_bench.json", result)
     plot(result, out / "parallel_bench.png")
-    (out / "parallel_bench.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "parallel_bench.md").write_text("\n".join(lines + ["", result["verdict"]]) + "\n")
+    print("\n".join(lines + ["", result["verdict"]]))
 
 
 if __name__ == "__main__":
