@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -117,6 +118,13 @@ class CoreThread:
                 return
 
 
+class Checked(NamedTuple):
+    """A request as check_request returned it: safe to queue."""
+    ids: list
+    text: str | None
+    params: object
+
+
 class _Caller:
     """One request's caller: its state in the output processor, its core, an event that says the
     request moved."""
@@ -188,10 +196,11 @@ class AsyncLLM:
         self.on_core_death = None           # called once, on the loop, when a core dies
 
     # -- what the server reads -----------------------------------------------------------------
-    def check_request(self, prompt, params=None, chat: bool = False):
-        """What the core would refuse, refused here, before anything is queued (token ids, text, params)."""
-        return check_request(prompt, params, chat, self.tokenizer, self.vocab_size, self.max_model_len,
-                             self.pool_hint)
+    def check_request(self, prompt, params=None, chat: bool = False) -> "Checked":
+        """What the core would refuse, refused here, before anything is queued: a Checked (token
+        ids, text, params), which submit() takes as it is."""
+        return Checked(*check_request(prompt, params, chat, self.tokenizer, self.vocab_size,
+                                      self.max_model_len, self.pool_hint))
 
     def stats(self) -> dict:
         """The engine's gauges summed over its cores (running, waiting, KV blocks ...), as of each
@@ -220,10 +229,24 @@ class AsyncLLM:
     async def generate(self, prompt, params=None, chat: bool = False, stream: bool = True):
         """Yield StreamDelta's for one prompt; the last has finished=True and the RequestOutput.
         stream=False: only that last one. Bad input raises here, before anything is queued."""
+        request = self.submit(prompt, params, chat, stream)
+        try:
+            async for delta in request.deltas():
+                yield delta
+        finally:
+            request.abort()               # a no-op once it finished
+
+    def submit(self, prompt, params=None, chat: bool = False, stream: bool = True) -> "Submitted":
+        """Check one request and send it to a core NOW, before this call returns; iterate the
+        returned handle's deltas() for its output. What the server calls in its request handler: a
+        burst's first requests reach the core while the later ones are still being read, rather
+        than once every request of the burst has passed every `await` of the HTTP layer (asyncio
+        runs ready tasks in turn, so a burst moves through a handler in lockstep). `prompt` may be
+        a Checked (what check_request returned): it is not checked twice."""
         if not self.is_alive():
             raise RuntimeError("AsyncLLM was shut down" if self._stopped else
                                "the engine core stopped: " + (self._why_dead() or "?"))
-        ids, text, params = self.check_request(prompt, params, chat)
+        ids, text, params = prompt if isinstance(prompt, Checked) else self.check_request(prompt, params, chat)
         self._attach(asyncio.get_running_loop())
         if self._seeds is not None and params.seed is None:
             params = replace(params, seed=int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seeds)))
@@ -234,23 +257,7 @@ class AsyncLLM:
         caller = self._callers[rid] = _Caller(state, k, cost)
         self._load[k] += cost
         self._queue(k, ("add", (rid, ids, text, params)))
-        done = False
-        try:
-            while True:
-                await caller.event.wait()
-                caller.event.clear()
-                delta = state.delta()
-                if delta is None:
-                    continue
-                done = delta.finished
-                yield delta
-                if done:
-                    return
-        finally:
-            if not done and state.output is None:     # the caller left: abort it in its core
-                self.outputs.states.pop(rid, None)
-                self._forget(rid)
-                self._queue(k, ("abort", rid))
+        return Submitted(self, rid, caller)
 
     # -- messages ------------------------------------------------------------------------------
     def _queue(self, k: int, item) -> None:
@@ -379,6 +386,36 @@ class AsyncLLM:
     @property
     def _thread(self):
         return self.cores[0].thread if isinstance(self.cores[0], CoreThread) else None
+
+
+class Submitted:
+    """One request sent to its core (AsyncLLM.submit): iterate deltas() for its output; abort()
+    (or leaving deltas() early) stops it in its core. A handle nobody iterates must be aborted."""
+    __slots__ = ("allm", "request_id", "caller")
+
+    def __init__(self, allm: AsyncLLM, request_id: int, caller: _Caller):
+        self.allm, self.request_id, self.caller = allm, request_id, caller
+
+    async def deltas(self):
+        """StreamDelta's as the request moves; the last has finished=True (stream=False: only that one)."""
+        caller, state = self.caller, self.caller.state
+        while True:
+            await caller.event.wait()
+            caller.event.clear()
+            delta = state.delta()
+            if delta is None:
+                continue
+            yield delta
+            if delta.finished:
+                return
+
+    def abort(self) -> None:
+        """Stop the request in its core unless it finished (then: nothing)."""
+        allm, rid = self.allm, self.request_id
+        if self.caller.state.output is None and rid in allm._callers:
+            allm.outputs.states.pop(rid, None)
+            allm._forget(rid)
+            allm._queue(self.caller.core, ("abort", rid))
 
 
 def _on_loop(loop) -> bool:

@@ -122,3 +122,36 @@ def test_shutdown_with_streams_running_ends_every_stream():
     assert all(d.finished and d.finish_reason == "abort" for d in last)
     assert llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work()
 
+
+
+def test_submit_reaches_the_core_before_any_await_and_abort_frees_unread_requests():
+    """submit() sends the request to its core before it returns (a server's burst is not held in
+    asyncio's lockstep); a handle nobody ever iterates is stopped by abort(), and its blocks freed,
+    while a request beside it finishes with exactly generate()'s tokens; abort() after the end is a no-op."""
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = tiny_llm(max_num_seqs=2, num_blocks=64).generate([[9, 10, 11]], sp)[0].token_ids
+    llm = tiny_llm(max_num_seqs=2, num_blocks=64)
+    allm = AsyncLLM(llm)
+    core = allm.cores[0]
+
+    async def main():
+        hold = core._commands                       # the thread's inbox: the add is in it, or taken
+        orphan = allm.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        # no await since submit(): the add is already on its way (in the inbox or in the engine)
+        assert orphan.request_id in llm.engine.scheduler.requests or not hold.empty()
+        kept = allm.submit(allm.check_request([9, 10, 11], sp))      # a Checked is taken as it is
+        got = [d async for d in kept.deltas()]
+        orphan.abort()
+        kept.abort()                                  # finished: nothing happens
+        for _ in range(400):
+            if llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return got
+    try:
+        got = asyncio.run(main())
+        assert [t for d in got for t in d.token_ids] == want and got[-1].finished
+        assert llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work()
+        assert allm._callers == {} and allm.outputs.states == {}
+    finally:
+        allm.shutdown()

@@ -42,17 +42,17 @@ DEFAULT_MAX_WAITING = 256             # requests queued beyond the slots before 
 
 # -- many streams as one ---------------------------------------------------------------------------
 
-async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float, stream: bool = True):
-    """Run every (choice index, token ids, params) job as its own AsyncLLM stream and yield
+async def merged_streams(requests, metrics: ServerMetrics, arrival: float, stream: bool = True):
+    """Follow every submitted request (AsyncLLM.Submitted, in choice order) and yield
     (index, delta) as deltas arrive from any of them. Closing this generator (the client went away)
-    cancels every stream still running: AsyncLLM aborts their requests."""
+    aborts every request not finished, whether or not its deltas were ever read."""
     queue: asyncio.Queue = asyncio.Queue()
     done: set[int] = set()
 
-    async def pump(index, ids, params):
+    async def pump(index, request):
         try:
             first = True
-            async for delta in allm.generate(ids, params, stream=stream):
+            async for delta in request.deltas():
                 if first and delta.token_ids:
                     metrics.on_first_token(time.perf_counter() - arrival if stream else delta.output.ttft_s)
                     first = False
@@ -61,7 +61,7 @@ async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float, str
         except Exception as e:        # noqa: BLE001 -- handed to the consumer
             queue.put_nowait((index, None, e))
 
-    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
     try:
         while len(done) < len(tasks):
             index, delta, error = await queue.get()
@@ -73,9 +73,10 @@ async def merged_streams(allm, jobs, metrics: ServerMetrics, arrival: float, str
             yield index, delta
     finally:
         for t in tasks:
-            t.cancel()                # a no-op on finished ones; the others abort their request
-        for index, _, _ in jobs:
+            t.cancel()
+        for index, request in enumerate(requests):
             if index not in done:
+                request.abort()
                 metrics.finished.labels("abort").inc()
 
 
@@ -217,16 +218,32 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     async def answer(request: Request, req: ParsedRequest):
         arrival = time.perf_counter()
-        jobs = []
+        checked = []
         for p, ids in enumerate(req.prompts):
             try:                                  # read-only: fits this engine? (length, vocabulary)
-                async_llm.check_request(ids, req.stream_params(0))
+                checked.append(async_llm.check_request(ids, req.stream_params(0)))
             except (ValueError, TypeError) as e:
                 param = "messages" if req.kind == "chat" else "prompt"
                 where = f"{param}[{p}]" if len(req.prompts) > 1 else param
                 raise OpenAIError(f"{where}: {e}", param=param) from None
-            jobs += [(p * req.n + i, ids, req.stream_params(i)) for i in range(req.n)]
-        ticket = gate.admit(len(jobs))
+        ticket = gate.admit(len(checked) * req.n)
+        # sent to the engine now, in this handler's first turn (AsyncLLM.submit says why); the n
+        # samples of a prompt differ only in their seeds (stream_params), the prompt was checked once
+        requests = []
+        try:
+            for c in checked:
+                for i in range(req.n):
+                    requests.append(async_llm.submit(c._replace(params=req.stream_params(i)), stream=req.stream))
+        except BaseException:
+            for r in requests:
+                r.abort()
+            ticket.release()
+            raise
+
+        def close():                  # whatever happened: the ticket back, nothing left running
+            ticket.release()
+            for r in requests:
+                r.abort()             # a no-op on finished ones (also when a stream never began)
         env = Envelope(req.kind, model_name)
         if req.logprobs is None:
             def logprobs_of(o, offset=0):
@@ -238,15 +255,15 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
             def logprobs_of(o, offset=0):
                 return completion_logprobs(getattr(o, "logprobs", None) or [], tokenizer, offset)
         prompt_lengths = [len(ids) for ids in req.prompts]
-        streams = merged_streams(async_llm, jobs, metrics, arrival, req.stream)
+        streams = merged_streams(requests, metrics, arrival, req.stream)
         if req.stream:
-            return EventStream(events(req, env, streams, prompt_lengths, logprobs_of, len(jobs)),
-                               on_close=ticket.release)
+            return EventStream(events(req, env, streams, prompt_lengths, logprobs_of, len(requests)),
+                               on_close=close)
         try:
-            outputs = await until_disconnect(request, collect(streams, len(jobs)))
+            outputs = await until_disconnect(request, collect(streams, len(requests)))
         finally:
-            ticket.release()
             await streams.aclose()
+            close()
         if outputs is None:                       # the client is gone: nobody to answer
             return Response(status_code=499)
         for o in outputs:
