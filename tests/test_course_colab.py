@@ -25,9 +25,10 @@ import gen  # noqa: E402  (the notebooks' set-up cell, as every notebook has it)
 
 sys.path.pop(0)
 
-# Imported first in every process of the simulated Colab: google.colab is in sys.modules (the
-# set-up cell's test for Colab), and with PAGEDLAB_FAKE_T4=1 CUDA device 0 reports itself as a T4.
-SITECUSTOMIZE = '''
+# Run at the start of every process of the simulated Colab (an import line of the venv's .pth
+# file): google.colab is in sys.modules (the set-up cell's test for Colab), and with
+# PAGEDLAB_FAKE_T4=1 CUDA device 0 reports itself as a T4.
+BOOT = '''
 import os
 import google.colab  # noqa: F401
 if os.environ.get("PAGEDLAB_FAKE_T4") == "1":
@@ -44,8 +45,9 @@ if os.environ.get("PAGEDLAB_FAKE_T4") == "1":
 
 # After the set-up cell: what a T4 gets. On a machine without CUDA, CUDA is simulated too.
 T4_PROBE = '''
-import json, types
+import json, sys, types
 import torch
+assert "google.colab" in sys.modules
 if not torch.cuda.is_available():
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: 1
@@ -73,7 +75,7 @@ import torch
 from pagedlab import LLM, SamplingParams
 from pagedlab.kernels import pdl
 from pagedlab.reference import hf_model
-assert torch.cuda.get_device_capability(0) == (7, 5)
+assert torch.cuda.get_device_capability(0) == (7, 5) and torch.cuda.get_device_properties(0).name == "Tesla T4"
 g = torch.Generator().manual_seed(3)
 prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (9, 40, 3, 120)]
 t4 = LLM("random:llama-3.2-1b", max_num_seqs=4, num_blocks=256, show_progress=False)
@@ -115,21 +117,26 @@ def colab(tmp_path_factory):
     fake = tmp / "fake"
     (fake / "google" / "colab").mkdir(parents=True)
     (fake / "google" / "colab" / "__init__.py").write_text('"""Stands in for Colab\'s module."""\n')
-    (fake / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (fake / "pagedlab_colab_boot.py").write_text(BOOT)
     # the fake first, then this environment's libraries as plain path entries (their .pth files,
-    # such as an editable pagedlab's finder, are not run): pip and torch are there, pagedlab is not
+    # such as an editable pagedlab's finder, are not run): pip and torch are there, pagedlab is not;
+    # then the boot module, imported by every process
     extra = os.environ.get("PYTHONPATH", "").split(os.pathsep)      # e.g. the device's wheels folder
     here = [p for p in sys.path if p and (p.endswith(("site-packages", "dist-packages")) or p in extra)
             and Path(p).is_dir() and not (Path(p) / "pagedlab").exists()]
-    (site / "zz_colab.pth").write_text("\n".join([str(fake)] + here) + "\n")
+    (site / "zz_colab.pth").write_text("\n".join([str(fake)] + here + ["import pagedlab_colab_boot"]) + "\n")
     outside = tmp / "content"                                   # Colab's working folder
     outside.mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TRITON_INTERPRET", "PAGEDLAB_MODEL", "PAGEDLAB_SOLUTIONS")}
     env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PAGEDLAB_NO_INSTALL="1")
-    cell = gen.setup_cell().replace(f'PAGEDLAB_PIP = "{gen.pip_spec()}"', f'PAGEDLAB_PIP = "{wheel}"')
-    assert str(wheel) in cell, "the set-up cell's PAGEDLAB_PIP line moved"
-    return dict(py=py, site=site, wheel=wheel, outside=outside, env=env, cell=cell)
+    # the pip spec as the cell has it (with the [notebooks] extra, which Colab's branch drops), the
+    # wheel in place of the git URL
+    spec = gen.pip_spec().split(" @ ")[0] + f" @ {wheel.as_uri()}"
+    cell = gen.setup_cell().replace(f'PAGEDLAB_PIP = "{gen.pip_spec()}"', f'PAGEDLAB_PIP = "{spec}"')
+    assert spec in cell and "[notebooks]" in spec, "the set-up cell's PAGEDLAB_PIP line moved"
+    return dict(py=py, site=site, wheel=wheel, outside=outside, env=env, cell=cell,
+                colab_spec=spec.replace("[notebooks]", ""))
 
 
 def _run(colab, code, extra_env=None, timeout=600):
@@ -141,7 +148,7 @@ def _run(colab, code, extra_env=None, timeout=600):
 def _install(colab, extra_env=None):
     r = _run(colab, colab["cell"], extra_env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"pip install {colab['wheel']}" in r.stdout, r.stdout[-2000:]       # Colab's branch, no extra
+    assert f"pip install {colab['colab_spec']}\n" in r.stdout, r.stdout[-2000:]    # Colab's branch: no extra
     assert f"from {colab['site'] / 'pagedlab'}" in r.stdout, r.stdout[-2000:]
     return r
 
