@@ -32,15 +32,23 @@ BOOT = '''
 import os
 import google.colab  # noqa: F401
 if os.environ.get("PAGEDLAB_FAKE_T4") == "1":
+    # pagedlab sees a T4 (its dtype, PDL and launch-setting choices); Triton and torch still see the
+    # real GPU, so the kernels compile for the chip they run on
+    import sys
     import types
     import torch
-    _props = torch.cuda.get_device_properties
-    torch.cuda.get_device_capability = lambda *a, **k: (7, 5)
-    def _t4(*a, **k):
+    _cap, _props = torch.cuda.get_device_capability, torch.cuda.get_device_properties
+    def _from_pagedlab():
+        return sys._getframe(2).f_globals.get("__name__", "").startswith("pagedlab")
+    def _capability(*a, **k):
+        return (7, 5) if _from_pagedlab() else _cap(*a, **k)
+    def _properties(*a, **k):
         p = _props(*a, **k)
+        if not _from_pagedlab():
+            return p
         return types.SimpleNamespace(name="Tesla T4", major=7, minor=5, total_memory=15 * 2**30,
                                      multi_processor_count=p.multi_processor_count)
-    torch.cuda.get_device_properties = _t4
+    torch.cuda.get_device_capability, torch.cuda.get_device_properties = _capability, _properties
 '''
 
 # After the set-up cell: what a T4 gets. On a machine without CUDA, CUDA is simulated too.
@@ -74,8 +82,10 @@ import json
 import torch
 from pagedlab import LLM, SamplingParams
 from pagedlab.kernels import pdl
+from pagedlab.config import resolve_device_dtype
+from pagedlab.kernels.launch import capability
 from pagedlab.reference import hf_model
-assert torch.cuda.get_device_capability(0) == (7, 5) and torch.cuda.get_device_properties(0).name == "Tesla T4"
+assert capability(torch.device("cuda", 0)) == (7, 5) and resolve_device_dtype()[1] == torch.float16
 g = torch.Generator().manual_seed(3)
 prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (9, 40, 3, 120)]
 t4 = LLM("random:llama-3.2-1b", max_num_seqs=4, num_blocks=256, show_progress=False)
