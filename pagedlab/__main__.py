@@ -141,6 +141,7 @@ def _llm(args, **kw):
         kw["memory_fraction"] = args.gpu_memory_utilization
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
+    kw["prefix_caching"] = args.prefix_caching
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
                attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
@@ -237,8 +238,7 @@ def serve(args) -> None:
     front end here."""
     from .server import serve as run_server
     kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    if args.prefix_caching:
-        kw["prefix_caching"] = True
+    kw["prefix_caching"] = args.prefix_caching
     if args.quantization:
         kw["quantization"] = args.quantization
     if args.gpu_memory_utilization is not None:
@@ -263,6 +263,14 @@ def serve(args) -> None:
                tensor_parallel_size=args.tensor_parallel_size, **kw)
 
 
+def prefix_caching_flag(parser) -> None:
+    """--prefix-caching / --no-prefix-caching (vLLM's --[no-]enable-prefix-caching too): on by default."""
+    parser.add_argument("--prefix-caching", "--enable-prefix-caching", dest="prefix_caching",
+                        action=argparse.BooleanOptionalAction, default=EngineConfig.prefix_caching,
+                        help="share the KV blocks of equal prompt prefixes between requests "
+                             "(costs < 2%% when nothing is shared)")
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m pagedlab", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,6 +289,7 @@ def build_parser() -> ArgumentParser:
                         help=f"share of free GPU memory for the KV pool, in (0, 1] (default: "
                              f"{EngineConfig.memory_fraction}; on cpu the pool holds every slot at full length)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
+        prefix_caching_flag(sp)
         sp.add_argument("--quantization", default=None, choices=["fp8"],
                         help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
         sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",
@@ -324,9 +333,8 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
-    s.add_argument("--prefix-caching", action="store_true",
-                   help="share the KV blocks of equal prompt prefixes between requests")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
+    prefix_caching_flag(s)
     s.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
     s.add_argument("--tensor-parallel-size", type=int, default=1,

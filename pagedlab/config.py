@@ -414,7 +414,8 @@ class EngineConfig:
                        (the oldest are dropped), None keeps all.
     prefix_caching:    share the KV blocks of equal prefixes between requests (prefix_cache.py): a
                        request starts with the full blocks of its prompt that are cached and
-                       computes only the rest.
+                       computes only the rest. On by default (as in vLLM): with nothing shared it
+                       costs under 2% (docs/prefix_caching.md); False turns it off.
     quantization:      None (weights in `dtype`) or "fp8": linear weights stored as float8 e4m3
                        with one fp32 scale per output channel, quantized at load (quantization.py;
                        on CUDA it needs compute capability >= 8.9).
@@ -435,7 +436,7 @@ class EngineConfig:
     trace: bool = False
     seed: int = 0
     max_trace_steps: int | None = 10_000
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     quantization: str | None = None
 
     def __post_init__(self):

@@ -139,6 +139,8 @@ class Engine:
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
                                    record_views=cfg.trace, prefix_caching=cfg.prefix_caching, **extra)
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs)
+        # prefix caching hashes the blocks a step fills while the device runs that step
+        self.runner.while_running = getattr(self.scheduler, "hash_ahead", None)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
         self._traced_endings = weakref.WeakSet()    # finished requests a trace record has named

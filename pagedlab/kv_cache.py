@@ -102,6 +102,7 @@ class BlockAllocator:
             else:                            # evict the least recently used cached block
                 b, _ = cached.popitem(last=False)
                 del self.prefix_cache.block_of[self.prefix_cache.key_of.pop(b)]
+                self.prefix_cache.evictions += 1
             refs[b] = 1
             self.owner[b] = owner
             taken.append(b)

@@ -97,7 +97,7 @@ class LLM:
                  show_progress: bool = True, checkpoint=None, tokenizer=None,
                  kernel_options: dict | None = None, allocator=None, scheduler=None,
                  decode_kernel=None, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 **engine_kwargs):
+                 warmup: bool = True, **engine_kwargs):
         """kernel_options: launch settings for the Triton kernels (decode_config, prefill_config,
         gemv_config, pdl), see kernels.select_kernels; the defaults suit the device.
 
@@ -105,6 +105,7 @@ class LLM:
           allocator      a class or factory taking num_blocks: allocate(owner, n) -> n block ids,
                          free(blocks), and num_free or free_list (notebook 07's Allocator);
                          prefix_caching=True needs a BlockAllocator's prefix-cache API
+                         (with a plugged allocator prefix caching is off unless asked for)
           scheduler      a Scheduler subclass or factory with Scheduler's signature
                          (plugins.scheduler_with_make_room(make_room): notebook 10's preemption)
           decode_kernel  a function with kernels.decode_attention_torch's signature
@@ -115,6 +116,10 @@ class LLM:
         data_parallel_size=D runs D replicas behind a router; T * D processes (this one is rank 0),
         on GPUs cuda:0 .. cuda:T*D-1. Call close() (or use `with LLM(...) as llm:`) to stop them.
 
+        warmup: on CUDA, compile the Triton kernels every kind of step needs at load (warmup.py,
+        with a progress bar; Triton keeps them on disk for the next process), so the first
+        requests wait for no compiler. False: they compile on first use instead.
+
         vLLM's names are taken where they mean the same (engine_args.py: gpu_memory_utilization,
         enable_prefix_caching, enforce_eager); an unknown keyword is a TypeError before anything
         loads, naming the nearest known one."""
@@ -123,12 +128,19 @@ class LLM:
             raise ValueError(f"LLM(model={model!r}): no model named; give a name ('smollm2', "
                              "'random:tiny'), a checkpoint directory or a Hugging Face hub id")
         self.model_name = model if isinstance(model, str) and checkpoint is None else None   # as the user named it
+        if not isinstance(warmup, bool):
+            raise TypeError(f"LLM(): warmup must be True or False, got {warmup!r:.60}")
+        self._warmup = warmup
+        self._show_progress = bool(show_progress)
+        self.warmup_info: dict = {}       # what the warm-up at load did (warmup.py): seconds, steps
         tp, dp = parallel_sizes(tensor_parallel_size, data_parallel_size)
         if tp * dp > 1 and (allocator is not None or scheduler is not None or decode_kernel is not None):
             raise ValueError("allocator=, scheduler= and decode_kernel= plug into one process; they "
                              "cannot be combined with tensor_parallel_size / data_parallel_size > 1")
         if decode_kernel is not None:
             engine_kwargs.setdefault("cuda_graphs", False)
+        if allocator is not None:        # a plugged allocator shares no blocks unless asked to
+            engine_kwargs.setdefault("prefix_caching", False)
         device, dtype = resolve_device_dtype(device, dtype)
         apply_cpu_thread_policy(device)          # cpu_threads.py: one thread unless the user chose
         if tp * dp > 1:
@@ -164,6 +176,9 @@ class LLM:
         self.engine, self.core, self.outputs = build_engine(self.model, tokenizer, engine_config,
                                                             allocator=allocator, scheduler=scheduler)
         self._next_dp_id = 0
+        if self._warmup:
+            from .warmup import warm_up
+            self.warmup_info = warm_up(self.engine, self._show_progress)
 
     def close(self) -> None:
         """Stop the worker processes of a parallel LLM (a no-op otherwise, and the second time).

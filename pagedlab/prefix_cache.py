@@ -47,12 +47,23 @@ def block_key(parent: bytes | None, tokens) -> bytes:
 def extend_keys(keys: list[bytes], tokens: list[int], block_size: int, num_blocks: int,
                 start: int = 0) -> list[bytes]:
     """Grow `keys` (the chain of a sequence's first len(keys) full blocks) to `num_blocks` keys,
-    hashing one block at a time. `tokens` holds the sequence's tokens from position `start` (at
+    hashing each new block once. `tokens` holds the sequence's tokens from position `start` (at
     most len(keys) * block_size) to at least num_blocks * block_size. Returns `keys` (extended in
-    place: a request keeps its chain and only hashes its new blocks)."""
-    bs = block_size
-    for j in range(len(keys), num_blocks):
-        keys.append(block_key(keys[j - 1] if j else None, tokens[j * bs - start:(j + 1) * bs - start]))
+    place: a request keeps its chain and only hashes its new blocks).
+
+    The same keys as block_key, block after block, computed faster (this runs for every full block
+    of every request, so it is what prefix caching costs when nothing is shared): the new blocks'
+    tokens become bytes in one call, and each key is ONE BLAKE2b call over parent + the block's
+    bytes (hashing a concatenation = updating with its parts), 1.6x faster than block_key."""
+    j0 = len(keys)
+    if num_blocks <= j0:
+        return keys
+    bs, nbytes = block_size, 8 * block_size
+    data = array("q", tokens[j0 * bs - start:num_blocks * bs - start]).tobytes()
+    blake2b, parent = hashlib.blake2b, keys[-1] if j0 else ROOT
+    for i in range(0, (num_blocks - j0) * nbytes, nbytes):
+        parent = blake2b(parent + data[i:i + nbytes], digest_size=KEY_BYTES).digest()
+        keys.append(parent)       # one key at a time: an interrupt leaves a valid (shorter) chain
     return keys
 
 
@@ -70,20 +81,26 @@ class PrefixCache:
     def __init__(self):
         self.block_of: dict[bytes, int] = {}     # key -> the physical block holding that prefix's end
         self.key_of: dict[int, bytes] = {}       # physical block -> its key (only blocks in the map)
+        self.evictions = 0      # times keys were dropped (evicted, cleared): a match found before is
+                                # still valid, block for block, while this has not changed
 
     def __len__(self) -> int:
         return len(self.block_of)
 
-    def match(self, keys: list[bytes], tokens: list[int], block_size: int, max_blocks: int) -> list[int]:
+    def match(self, keys: list[bytes], tokens: list[int], block_size: int, max_blocks: int,
+              hits: list[int] | None = None) -> list[int]:
         """The physical blocks holding the longest cached prefix of `tokens`, at most `max_blocks`
         of them: block j is a hit if key j is in the map, and the first miss ends the match (a
         block's K/V are only valid after the very same prefix). `keys` (the sequence's chain so
-        far) is extended as far as needed."""
-        hits = []
-        for j in range(max_blocks):
+        far) is extended as far as needed. `hits`: a match of the same sequence made while
+        `evictions` had its present value (still valid): the lookup goes on after it, so a request
+        that waits at the head of the queue is not matched from its first block at every step."""
+        hits = [] if hits is None else hits[:max_blocks]
+        block_of = self.block_of
+        for j in range(len(hits), max_blocks):
             if j == len(keys):
                 extend_keys(keys, tokens, block_size, j + 1)
-            b = self.block_of.get(keys[j])
+            b = block_of.get(keys[j])
             if b is None:
                 break
             hits.append(b)
@@ -100,5 +117,6 @@ class PrefixCache:
         return True
 
     def clear(self) -> None:
+        self.evictions += 1
         self.block_of.clear()
         self.key_of.clear()

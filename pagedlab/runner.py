@@ -84,6 +84,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
                                        min(max_num_seqs, MAX_GRAPH_BATCH), capture=cuda_graphs is True)
         self.last: Launch | None = None      # the latest launch, if it completed
+        # called with each batch once its device work is queued, before anything waits for it:
+        # host work that needs no result of the step runs there while the device computes
+        self.while_running = None
 
     def run(self, batch) -> list[int]:
         """Run a step to its end: the sampled tokens, on the host, in batch.sampled order."""
@@ -110,6 +113,8 @@ class ModelRunner:
         else:
             step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
         logits, replay = self.execute(step)
+        if self.while_running is not None:
+            self.while_running(batch)        # host work that overlaps the device's (prefix hashing)
         tokens = None
         if replay is None or not all(r.params.plain_greedy for r in reqs):
             tokens, batch.logprobs = self._sample(logits, reqs)

@@ -19,8 +19,8 @@ blocks; their slots are refilled by the next schedule(). Finished requests wait 
 until the engine hands them out (`take_finished`), so none is lost if a step is interrupted.
 
 Prefix caching (prefix_caching=True, prefix_cache.py): a full block whose tokens are known and
-whose K/V are computed is named by its prefix (registered), at the start of the next schedule() or
-when its request leaves. A new request takes the registered blocks that match the start of its
+whose K/V are computed is named by its prefix (registered) while the next step runs (hash_ahead),
+when a waiting request that starts the same way is looked up, or when its request leaves. A new request takes the registered blocks that match the start of its
 sequence (each held by one more request), starts with them computed, and computes only the rest.
 Nobody ever writes a shared block: a request writes only at positions >= its num_computed, which
 are in blocks it took fresh.
@@ -105,6 +105,8 @@ class Scheduler:
         self.finished: list[Request] = []     # finished, not yet handed out (take_finished)
         self.table_edits: list[tuple[int, int, int]] = []
         self.unsettled: list[tuple[Batch, list[int] | None]] = []   # advanced, tokens not all in
+        self._head_match = None     # (request, prefix_cache.evictions, hits): the queue head's last match
+        self._by_first_key: dict[bytes, dict[Request, None]] = {}   # admitted requests by first key
 
     # -- queue and slots ------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -139,6 +141,7 @@ class Scheduler:
         caching its full blocks are registered first, so they stay cached for later requests."""
         if self.prefix_caching:
             self._register_full_blocks(req)     # may be interrupted: nothing else has changed yet
+            self._untrack(req)
         # With prefix caching, last block first: a cached chain is then evicted from its end (LRU
         # first) and its start, the part other requests can share, stays longest (a chain is
         # useless past its first miss).
@@ -182,9 +185,34 @@ class Scheduler:
         return True
 
     # -- prefix cache -----------------------------------------------------------
+    # What it costs when nothing is shared (docs/prefix_caching.md): each full block is hashed ONCE
+    # (the key chain is kept on the request), and both the hashing and the naming (registering)
+    # run while the device computes a step (hash_ahead, which the runner calls between queuing a
+    # step and reading it back), not in schedule(). A block computed by step n is named while
+    # step n + 1 runs -- or at once, when a waiting request could take it: a request's blocks can
+    # only be taken by one whose first block has the same key, so admitted requests are filed by
+    # their first key (`_by_first_key`) and a match that finds its first key there names that
+    # request's computed blocks first (`_match_prefix`). With nothing shared, schedule() does one
+    # hash and two dict lookups per admission.
+    def _track(self, req: Request) -> None:
+        """File an admitted request under its first block's key (once that key is known)."""
+        if req.block_keys:
+            self._by_first_key.setdefault(req.block_keys[0], {})[req] = None
+
+    def _untrack(self, req: Request) -> None:
+        if req.block_keys:
+            group = self._by_first_key.get(req.block_keys[0])
+            if group is not None:
+                group.pop(req, None)
+                if not group:
+                    del self._by_first_key[req.block_keys[0]]
+
     def _match_prefix(self, req: Request) -> list[int]:
         """The cached blocks that hold the start of req's sequence (prefix_cache.py): changes
-        nothing but req.block_keys (its key chain, a memo of its own tokens).
+        nothing but req.block_keys (its key chain, a memo of its own tokens), the memo of the
+        queue head's match (a request waiting at the head is looked up again each step, from where
+        its last lookup stopped, unless a key was dropped since), and -- when a running request
+        starts with the same block -- the naming of that request's computed blocks.
 
         At most (num_tokens - 1) // block_size blocks, i.e. only full blocks *before the block of
         the last token*. The last token must be computed whatever the cache holds -- its logits
@@ -194,24 +222,71 @@ class Scheduler:
         are reading. So that block is not taken: it is recomputed into a fresh block of the
         request's own (one block of work; the shared block stays untouched)."""
         last = min(known_tokens(req), req.num_tokens - 1)    # (a waiting request has no PENDING)
-        return self.allocator.prefix_cache.match(req.block_keys, req.all_token_ids, self.block_size,
-                                                 last // self.block_size)
+        most = last // self.block_size
+        cache = self.allocator.prefix_cache
+        keys = req.block_keys
+        if most and not keys:
+            extend_keys(keys, req.all_token_ids, self.block_size, 1)
+        if most and keys[0] in self._by_first_key:            # someone running starts the same way:
+            for other in list(self._by_first_key[keys[0]]):  # name its computed blocks now
+                self._register_full_blocks(other)
+        memo = self._head_match
+        before = memo[2] if memo is not None and memo[0] is req and memo[1] == cache.evictions else None
+        hits = cache.match(keys, req.all_token_ids, self.block_size, most, hits=before)
+        self._head_match = (req, cache.evictions, hits)
+        return hits
 
-    def _register_full_blocks(self, req: Request) -> None:
-        """Name req's blocks that are full, computed and whose tokens are all known (a PENDING
-        token of the overlap loop is not), so later requests can take them. Safe to interrupt
-        and to repeat: registering a block twice changes nothing."""
+    def _hash_blocks(self, req: Request, full: int) -> None:
+        """Extend req's key chain to its first `full` blocks (their tokens all known)."""
         bs = self.block_size
-        full = min(req.num_computed, known_tokens(req)) // bs
-        if full <= req.num_registered_blocks:
-            return
         keys, prompt = req.block_keys, req.prompt_token_ids
         a, b, p = len(keys) * bs, full * bs, len(prompt)     # the tokens of the blocks not hashed yet,
         tokens = prompt[a:b] + req.output_token_ids[max(a - p, 0):max(b - p, 0)]   # not all of them
         extend_keys(keys, tokens, bs, full, start=a)
+
+    @atomic
+    def hash_ahead(self, batch: Batch) -> None:
+        """The prefix cache's bookkeeping, while the device runs `batch` (the runner calls this
+        after queuing the step, before reading it back): name the blocks the batch's requests
+        computed in earlier steps, and hash the blocks this step fills (they are named once
+        computed: while the next step runs). One deferred section (a block is named in two dicts)."""
+        if not self.prefix_caching:
+            return
+        bs = self.block_size
+        for r in batch.prefill + batch.decode:
+            if r.status is not RequestStatus.RUNNING:
+                continue
+            self._register_full_blocks(r)
+            n = r.num_computed + r.num_scheduled
+            if n // bs > len(r.block_keys):
+                full = min(n, known_tokens(r)) // bs
+                if full > len(r.block_keys):
+                    first = not r.block_keys
+                    self._hash_blocks(r, full)
+                    if first:
+                        self._track(r)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Name req's blocks that are full, computed and whose tokens are all known (a PENDING
+        token of the overlap loop is not), so later requests can take them. Safe to interrupt
+        and to repeat: registering a block twice changes nothing. (PrefixCache.register inlined:
+        this runs for every block of every request.)"""
+        full = min(req.num_computed, known_tokens(req)) // self.block_size
+        if full <= req.num_registered_blocks:
+            return
+        keys = req.block_keys
+        if full > len(keys):
+            first = not keys
+            self._hash_blocks(req, full)       # not hashed ahead (a PENDING token at the time)
+            if first and req.slot is not None:
+                self._track(req)
         cache = self.allocator.prefix_cache
+        block_of, key_of, blocks = cache.block_of, cache.key_of, req.blocks
         for j in range(req.num_registered_blocks, full):
-            cache.register(req.blocks[j], keys[j])
+            key, b = keys[j], blocks[j]
+            if key not in block_of and b not in key_of:
+                block_of[key] = b
+                key_of[b] = key
         req.num_registered_blocks = full
 
     # -- one step -------------------------------------------------------------
@@ -239,8 +314,6 @@ class Scheduler:
         # 1. decodes: room for each one's next token; oldest first, the newest is preempted.
         caching, bs = self.prefix_caching, self.block_size
         for req in list(self.admitted):
-            if caching and req.num_computed >= (req.num_registered_blocks + 1) * bs:
-                self._register_full_blocks(req)     # blocks filled by the last step: name them
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
             if self.make_room(req, step):
@@ -277,6 +350,7 @@ class Scheduler:
             req.num_computed = len(hits) * bs
             req.num_registered_blocks = len(hits)
             if caching:
+                self._track(req)
                 alloc.prefix_queries += req.num_tokens
                 alloc.prefix_hits += req.num_computed
                 if not req.num_preemptions:        # as the user is told: hits at its first admission

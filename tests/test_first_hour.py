@@ -263,3 +263,10 @@ def test_the_readme_defaults_table_is_what_the_code_does():
             assert float(v[0]) == protocol.DEFAULT_TEMPERATURE
     completions = next(v for k, v in rows.items() if "/v1/completions" in k)
     assert re.match(rf"{protocol.DEFAULT_COMPLETION_MAX_TOKENS} \(fewer", completions[1])
+    # prefix caching: on at every door, as the table's note says, and each door can turn it off
+    from pagedlab.config import EngineConfig
+    assert "Prefix caching: on at every door" in table and EngineConfig().prefix_caching is True
+    for argv in (["generate", "hi"], ["demo"], ["serve"]):
+        assert cli.build_parser().parse_args(argv).prefix_caching is True
+        assert cli.build_parser().parse_args(argv + ["--no-prefix-caching"]).prefix_caching is False
+    assert cli.build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).prefix_caching is False

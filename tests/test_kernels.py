@@ -20,6 +20,7 @@ from pagedlab.kernels.decode_attention import (VARIANTS, choose_decode_plan,  # 
 from pagedlab.kernels.kv_store import kv_store_torch, kv_store_triton  # noqa: E402
 from pagedlab.kernels.prefill_attention import (prefill_attention_torch,  # noqa: E402
                                                 prefill_attention_triton)
+from pagedlab.kernels.paged import gather_pages  # noqa: E402
 from pagedlab.kernels.rmsnorm import rms_norm_torch, rms_norm_triton  # noqa: E402
 from pagedlab.kernels.rope import rope_cos_sin, rope_torch, rope_triton  # noqa: E402
 
@@ -298,6 +299,13 @@ def test_auto_plan_is_host_only():
     assert choose_decode_plan(1, 8, 32768, 132)[0] == "split_kv"
     assert choose_decode_plan(256, 8, 4096, 132) == ("gqa", 1)
     assert choose_decode_plan(1, 8, 16, 132) == ("gqa", 1)              # nothing to split
+    # split counts are powers of two (few compiled variants), within 2x of the programs wanted
+    from pagedlab.kernels.decode_attention import MAX_SPLITS, choose_num_splits
+    for b in range(1, 40):
+        for ctx in (300, 1000, 2048, 5000, 32768):
+            n = choose_num_splits(b, 8, ctx, 132)
+            assert n & (n - 1) == 0 and 1 <= n <= MAX_SPLITS, (b, ctx, n)
+            assert 2 * n > min(-(-8 * 132 // (8 * b)), -(-ctx // 256), MAX_SPLITS), (b, ctx, n)
 
 
 # ---------------------------------------------------------------------------------- launch configs
@@ -341,12 +349,76 @@ def test_prefill_config_is_explicit():
     cu = torch.tensor([0, 9, 29], dtype=torch.int32, device=DEV)       # 9 and 20 new tokens
     q = torch.randn(29, hq, d, generator=gen).to(dtype).to(DEV)
     before = _snapshot(pa.PREFILL_CONFIG)
-    other = merge_config(pa.PREFILL_CONFIG, {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2})
+    flat = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PACK_GQA": False}
+    tiers = merge_config(pa.PREFILL_CONFIG, {"short": {"BLOCK_N": 16, "num_stages": 2}})
     a = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20)
-    b = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20, config=other)
+    b = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20, config=flat)
+    c = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20, config=tiers)
     assert _snapshot(pa.PREFILL_CONFIG) == before
     check(b, a.float(), dtype)
+    check(c, a.float(), dtype)
     check(a, prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 20), dtype)
+    with pytest.raises(ValueError):
+        merge_config(pa.PREFILL_CONFIG, {"BLOCK_M": 16})        # the defaults are tiers: name one
+
+
+def test_prefill_config_tiers_by_length():
+    """Each length takes the first tier that holds it; a flat config is used as given."""
+    from pagedlab.kernels import prefill_attention as pa
+    tiers = pa.PREFILL_CONFIG
+    bounds = [c["max_q_len"] for c in tiers.values()]
+    assert bounds[-1] is None and all(a < b for a, b in zip(bounds[:-2], bounds[1:-1]))
+    cpu = torch.device("cpu")
+    for name, c in tiers.items():
+        n = c["max_q_len"] or 10 ** 6
+        assert pa.prefill_launch_config(tiers, n, cpu) == dict(c), name
+    first = next(iter(tiers.values()))
+    assert pa.prefill_launch_config(tiers, 1, cpu) == dict(first)
+    flat = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    assert pa.prefill_launch_config(flat, 10 ** 6, cpu) == flat
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("heads", [(8, 2, 16), (4, 1, 16), (6, 3, 16)])
+def test_prefill_gqa_packing_equals_one_head_per_tile(pack, heads):
+    """PACK_GQA puts a KV head's whole group of query heads in one tile (rows = query x head):
+    the same function as one head per tile, for group sizes 4, 4 (MQA) and 3 (not packed)."""
+    from pagedlab.kernels import prefill_attention as pa
+    dtype = DTYPES[0]
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+    q_lens, ctx = [21, 1, 40], [0, 17, 9]
+    k_cache, v_cache, table, sl = make_paged([a + b for a, b in zip(q_lens, ctx)], 16, hkv, d, dtype, gen, True)
+    cu = torch.tensor([0, 21, 22, 62], dtype=torch.int32, device=DEV)
+    q = torch.randn(62, hq, d, generator=gen).to(dtype).to(DEV)
+    cfg = {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "PACK_GQA": pack}
+    out = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 40, config=cfg)
+    check(out, prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 40), dtype)
+
+
+# the issue's shapes (Llama-3.2-1B heads): the kernel against torch's SDPA in fp32, causal GQA, at
+# every length on the GPU; on the CPU (interpreter) the lengths that run in seconds
+SDPA_SHAPES = ([(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)] if GPU
+               else [(1, 512), (2, 256)])
+
+
+@pytest.mark.parametrize("batch,length", SDPA_SHAPES)
+def test_prefill_against_sdpa_fp32(batch, length):
+    import torch.nn.functional as F
+    hq, hkv, d, bs = 32, 8, 64, 16
+    gen = torch.Generator().manual_seed(length + batch)
+    k_cache, v_cache, table, sl = make_paged([length] * batch, bs, hkv, d, torch.float32, gen, True)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV) * length
+    q = torch.randn(batch * length, hq, d, generator=gen).to(DEV)
+    out = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, length)
+    k = gather_pages(k_cache, table)[:, :length].transpose(1, 2).double()       # [B, Hkv, L, D]
+    v = gather_pages(v_cache, table)[:, :length].transpose(1, 2).double()
+    qs = q.view(batch, length, hq, d).transpose(1, 2).double()
+    ref = F.scaled_dot_product_attention(qs, k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1),
+                                         is_causal=True, scale=d ** -0.5)
+    ref = ref.transpose(1, 2).reshape(batch * length, hq, d)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, (batch, length, err)
 
 
 def test_select_kernels_binds_configs_and_checks_names():

@@ -146,8 +146,8 @@ def test_allocator_against_a_model():
 
 
 def test_config_validates_prefix_caching():
-    assert EngineConfig().prefix_caching is False
-    assert EngineConfig(prefix_caching=True).prefix_caching is True
+    assert EngineConfig().prefix_caching is True                 # on by default, as in vLLM
+    assert EngineConfig(prefix_caching=False).prefix_caching is False
     for bad in ("yes", 1, None):
         with pytest.raises(ConfigError, match="prefix_caching"):
             EngineConfig(prefix_caching=bad)

@@ -165,6 +165,88 @@ def bench_prefill(device, gen, configs=None):
     return rows
 
 
+# issue #27's prefill shapes: (batch, length), causal, Llama-3.2-1B heads, bf16
+ISSUE_PREFILL_SHAPES = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)]
+PREFILL_SWEEP = {   # flat launch configs the sweep times at every shape (pack = PACK_GQA)
+    f"m{m}_n{n}_w{w}_s{st}_{'pack' if pk else 'nopack'}":
+        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PACK_GQA": pk}
+    for m, n, w, st, pk in [(64, 64, 4, 4, True), (64, 128, 4, 3, True), (64, 32, 4, 3, True),
+                            (128, 128, 4, 3, True), (128, 128, 8, 2, True), (128, 64, 4, 3, True),
+                            (128, 64, 8, 3, False)]}
+GRAPH_REP_MS = 20           # per graph timing (do_bench_cudagraph's rep): ~0.25 s a measurement
+
+
+def bench_prefill_issue(device, gen, sweep: bool = True, save=None) -> list[dict]:
+    """The issue's shapes: the default tiers and (sweep) every PREFILL_SWEEP config against torch
+    SDPA in the same run, all timed as CUDA-graph replays (GPU time alone: at batch 1 x 512 both
+    take ~10 us, less than a Python launch) and the defaults and SDPA also under do_bench. SDPA:
+    the faster of flash on K/V expanded to 32 heads and enable_gqa=True. Each config's bf16
+    output is checked against fp32 SDPA (rel err < 1e-2), and the default tiers in fp32 too."""
+    import torch.nn.functional as F
+    rows = []
+    for batch, L in ISSUE_PREFILL_SHAPES:
+        blocks = -(-L // PAGE)
+        nb = batch * blocks
+        kc = torch.randn(nb, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        vc = torch.randn(nb, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        table = torch.randperm(nb, device=device, generator=gen).view(batch, blocks).int()
+        sl = torch.full((batch,), L, dtype=torch.int32, device=device)
+        cu = torch.arange(0, batch + 1, device=device, dtype=torch.int32) * L
+        q = torch.randn(batch * L, HQ, D, device=device, dtype=DTYPE, generator=gen)
+        scale = D ** -0.5
+        flops = 4 * batch * HQ * D * L * (L + 1) / 2
+        qc = q.view(batch, L, HQ, D).transpose(1, 2).contiguous()
+        kk = gather_pages(kc, table)[:, :L].transpose(1, 2).contiguous()      # [B, Hkv, L, D]
+        vv = gather_pages(vc, table)[:, :L].transpose(1, 2).contiguous()
+        ke, ve = kk.repeat_interleave(HQ // HKV, 1), vv.repeat_interleave(HQ // HKV, 1)
+        ref = F.scaled_dot_product_attention(qc.float(), ke.float(), ve.float(), is_causal=True,
+                                             scale=scale).transpose(1, 2).reshape(batch * L, HQ, D)
+        row = {"batch": batch, "seq_len": L, "flops": flops, "graph_us": {}, "rel_err": {}}
+        sd = {"sdpa_expanded": lambda: F.scaled_dot_product_attention(qc, ke, ve, is_causal=True, scale=scale),
+              "sdpa_gqa": lambda: F.scaled_dot_product_attention(qc, kk, vv, is_causal=True, scale=scale,
+                                                                 enable_gqa=True)}
+        for name, fn in sd.items():
+            try:
+                row["graph_us"][name] = do_bench_us(fn, graph=True, rep=GRAPH_REP_MS)
+                row[name + "_do_bench_us"] = do_bench_us(fn, rep=GRAPH_REP_MS)
+            except Exception as e:
+                row["graph_us"][name] = None
+                print(f"  {name} failed: {type(e).__name__}: {str(e)[:120]}")
+        row["sdpa_us"] = min(v for k, v in row["graph_us"].items() if k.startswith("sdpa") and v)
+        configs = {"default": pa.PREFILL_CONFIG} | (PREFILL_SWEEP if sweep else {})
+        for name, cfg in configs.items():
+            try:
+                fn = lambda cfg=cfg: pa.prefill_attention_triton(q, kc, vc, table, cu, sl, scale, L, config=cfg)
+                out = fn()
+                row["rel_err"][name] = ((out.float() - ref).norm() / ref.norm()).item()
+                assert row["rel_err"][name] < 1e-2, (name, row["rel_err"][name])
+                row["graph_us"][name] = do_bench_us(fn, graph=True, rep=GRAPH_REP_MS)
+            except Exception as e:
+                row["graph_us"][name] = None
+                print(f"  prefill config {name} failed at {batch} x {L}: {type(e).__name__}: {str(e)[:160]}")
+        row["default_do_bench_us"] = do_bench_us(
+            lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl, scale, L))
+        out32 = pa.prefill_attention_triton(q.float(), kc.float(), vc.float(), table, cu, sl, scale, L)
+        row["rel_err_fp32_default"] = ((out32 - ref).norm() / ref.norm()).item()
+        timed = {k: v for k, v in row["graph_us"].items() if v and not k.startswith("sdpa")}
+        row["best"] = min(timed, key=timed.get)
+        row["ratio_default"] = row["sdpa_us"] / row["graph_us"]["default"]
+        row["ratio_best"] = row["sdpa_us"] / timed[row["best"]]
+        row["default_tflops"] = flops / row["graph_us"]["default"] / 1e6
+        row["sdpa_tflops"] = flops / row["sdpa_us"] / 1e6
+        print(f"prefill {batch} x {L:5d}: sdpa {row['sdpa_us']:8.1f} us ({row['sdpa_tflops']:5.1f} TFLOP/s) | "
+              f"default {row['graph_us']['default']:8.1f} us = {row['ratio_default']:.2f}x sdpa speed | best "
+              f"{row['best']} {timed[row['best']]:8.1f} us = {row['ratio_best']:.2f}x | fp32 err "
+              f"{row['rel_err_fp32_default']:.1e}", flush=True)
+        print("  " + " ".join(f"{k}={v:.1f}" for k, v in row["graph_us"].items() if v), flush=True)
+        rows.append(row)
+        if save is not None:
+            save(rows)                      # after every shape: a run cut short keeps what it measured
+        del kc, vc, q, qc, kk, vv, ke, ve, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
 def pa_gather(cache, table, L):
     return gather_pages(cache, table)[:, :L].transpose(1, 2)      # [1, Hkv, L, D]
 
@@ -296,11 +378,23 @@ def main(argv=None):
     ap.add_argument("--out", default="figures", help="folder for the JSON, table and plots")
     ap.add_argument("--tune", action="store_true", help="also sweep launch configs and splits")
     ap.add_argument("--quick", action="store_true", help="only the table rows, no sweep")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only the issue's prefill shapes against SDPA (with --tune: every PREFILL_SWEEP config)")
     args = ap.parse_args(argv)
     require_cuda("bench kernels")
     out = out_dir(args.out)
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(0)
+    if args.prefill:
+        meta = metadata("python -m pagedlab.bench.kernels", argv)
+        meta.update(prefill_config=to_plain(pa.PREFILL_CONFIG))
+        rows = bench_prefill_issue(device, gen, sweep=args.tune,
+                                   save=lambda rows: write_json(out / "prefill_bench.json", {"meta": meta, "rows": rows}))
+        print("| batch x length | SDPA us | default us | default / SDPA speed | best config | best / SDPA speed |")
+        for r in rows:
+            print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default']:.1f} | "
+                  f"{r['ratio_default']:.2f}x | {r['best']} | {r['ratio_best']:.2f}x |")
+        return 0
     meta = metadata("python -m pagedlab.bench.kernels", argv)
     meta.update(decode_config=to_plain(da.DECODE_CONFIG), prefill_config=to_plain(pa.PREFILL_CONFIG))
     print(json.dumps(meta), flush=True)

@@ -8,9 +8,12 @@
                   turn is done
   offline       : bench engine's offline workload (256 requests, prompt and output lengths
                   uniform in [100, 1024]): nothing to share -- what caching costs when it cannot help
+  unique        : 256 requests of 1,088 unique random tokens, 64 new tokens each: nothing to
+                  share and every prompt 68 full blocks -- the most hashing and registering per
+                  output token (the miss cost's worst case among these)
 
 Each workload runs with prefix caching off and on, on one engine (the cache emptied before each
-run), after a warm-up pass of each (Triton compiles kernel variants on first sight). Reported:
+run), --rounds times alternating (the median run of each is reported), after a warm-up pass of each (Triton compiles kernel variants on first sight). Reported:
 output tokens/s (wall time, prefill included), TTFT p50/p90/p99 (from queueing), the prompt
 tokens computed and the hit rate (prompt tokens found cached / prompt tokens), and whether the
 greedy tokens of the two runs agree. JSON + a markdown table + a plot in --out.
@@ -28,13 +31,13 @@ import torch
 from pagedlab.bench.common import RANDOM_TOKEN_LIMIT, out_dir, write_json
 from pagedlab.sampling import SamplingParams
 
-WORKLOADS = ("shared_prompt", "multi_turn", "offline")
+WORKLOADS = ("shared_prompt", "multi_turn", "offline", "unique")
 FULL = dict(requests=256, system=1024, question=(32, 256), answer=(32, 256),
             chats=64, turns=4, first=(128, 512), turn_question=(32, 128), turn_answer=(64, 128),
-            offline=(100, 1024))
+            offline=(100, 1024), unique=(256, 1088, 64))
 SMALL = dict(requests=16, system=48, question=(4, 16), answer=(2, 8),
              chats=4, turns=3, first=(8, 32), turn_question=(4, 8), turn_answer=(2, 8),
-             offline=(8, 32))
+             offline=(8, 32), unique=(32, 200, 4))
 
 
 def _uniform(g, lo_hi, n=1):
@@ -101,7 +104,12 @@ def run_workload(llm, name, s, vocab, seed=0):
             prompts = [p + o.token_ids + _tokens(g, q, vocab)
                        for p, o, q in zip(prompts, got, _uniform(g, s["turn_question"], s["chats"]))]
         return outs, wall
-    prompts, out_lens = (shared_prompt_workload if name == "shared_prompt" else offline_workload)(s, vocab, seed)
+    if name == "unique":
+        g = torch.Generator().manual_seed(seed)
+        n, p, o = s["unique"]
+        prompts, out_lens = [_tokens(g, p, vocab) for _ in range(n)], [o] * n
+    else:
+        prompts, out_lens = (shared_prompt_workload if name == "shared_prompt" else offline_workload)(s, vocab, seed)
     _sync(llm)
     t0 = time.perf_counter()
     outs = generate(llm, prompts, out_lens)
@@ -132,6 +140,12 @@ def measure(llm, name, s, vocab, caching: bool) -> dict:
                 token_ids=[o.token_ids for o in outs])
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s, with every run's tokens/s beside it."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return dict(ordered[(len(ordered) - 1) // 2], runs_tokens_per_s=[round(r["tokens_per_s"], 1) for r in runs])
+
+
 def compare(results: dict) -> None:
     """Speed-ups and token agreement between the off and on runs of each workload (in place)."""
     for name, r in results["workloads"].items():
@@ -139,6 +153,7 @@ def compare(results: dict) -> None:
         a, b = off.pop("token_ids"), on.pop("token_ids")
         r["same_tokens"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
         r["speedup_tokens_per_s"] = on["tokens_per_s"] / off["tokens_per_s"]
+        r["miss_cost"] = 1 - r["speedup_tokens_per_s"] if on["hit_rate"] == 0 else None
         r["ttft_p50_ratio"] = on["ttft_ms"][50] / off["ttft_ms"][50]
 
 
@@ -198,6 +213,7 @@ def run(argv=None) -> dict:
     p.add_argument("--slots", type=int, default=None, help="max_num_seqs (default 256; --small 8)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS))
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up passes")
+    p.add_argument("--rounds", type=int, default=1, help="runs of each mode, alternating; the median is kept")
     p.add_argument("--out", default="figures", help="where prefix_bench.json/.md/.png go")
     args = p.parse_args(argv)
     names = [w for w in args.workloads.split(",") if w]
@@ -216,7 +232,7 @@ def run(argv=None) -> dict:
     dtype = "bfloat16" if cuda and not args.small else "float32"
     ckpt = load_checkpoint(model, show_progress=False)
     vocab = min(ckpt.config.vocab_size, RANDOM_TOKEN_LIMIT)
-    longest = max(s["system"] + s["question"][1] + s["answer"][1], 2 * s["offline"][1],
+    longest = max(s["system"] + s["question"][1] + s["answer"][1], 2 * s["offline"][1], sum(s["unique"][1:]),
                   s["first"][1] + s["turns"] * (s["turn_answer"][1] + s["turn_question"][1]))
     llm = LLM(checkpoint=ckpt, device=device, dtype=dtype, max_num_seqs=args.slots or (8 if args.small else 256),
               max_model_len=longest + 16, prefix_caching=True, show_progress=False,
@@ -235,10 +251,16 @@ def run(argv=None) -> dict:
             for caching in (False, True):
                 set_prefix_caching(llm, caching)
                 run_workload(llm, name, s, vocab, seed=1)
-        results["workloads"][name] = {mode: measure(llm, name, s, vocab, mode == "on") for mode in ("off", "on")}
+        runs = {"off": [], "on": []}
+        for _ in range(max(1, args.rounds)):
+            for mode in ("off", "on"):
+                runs[mode].append(measure(llm, name, s, vocab, mode == "on"))
+        results["workloads"][name] = {mode: median_run(rs) for mode, rs in runs.items()}
         print(f"{name}: off {results['workloads'][name]['off']['tokens_per_s']:,.0f} tokens/s, "
               f"on {results['workloads'][name]['on']['tokens_per_s']:,.0f} tokens/s "
-              f"(hit rate {results['workloads'][name]['on']['hit_rate']:.1%})", flush=True)
+              f"(hit rate {results['workloads'][name]['on']['hit_rate']:.1%}; runs off "
+              f"{results['workloads'][name]['off']['runs_tokens_per_s']}, on "
+              f"{results['workloads'][name]['on']['runs_tokens_per_s']})", flush=True)
     compare(results)
     out = out_dir(args.out)
     write_json(out / "prefix_bench.json", results)

@@ -542,6 +542,7 @@ class StartedServer:
 
     def __init__(self, serve_args: str):
         import shlex
+        serve_args = without_prefix_reuse(serve_args)
         import socket
         import subprocess
         with socket.socket() as sock:
@@ -584,7 +585,17 @@ def start_server(serve_args: str) -> StartedServer:
     return StartedServer(serve_args).wait()
 
 
+def without_prefix_reuse(serve_args: str) -> str:
+    """The same requests go out at every rate (and the offline run's two passes repeat them): with
+    prefix caching (on by default) each run would find the previous one's prompts cached. Unless
+    ARGS says otherwise, the server and the offline run get --no-prefix-caching."""
+    if "prefix-caching" in serve_args:
+        return serve_args
+    return serve_args + " --no-prefix-caching"
+
+
 def run_offline(serve_args: str, jobs: list[Job], args) -> dict:
+    serve_args = without_prefix_reuse(serve_args)
     """The same requests through LLM.generate, all at once, in a fresh process built from the
     serve ARGS, twice: output tokens/s and TTFT percentiles (each request's) of the second pass (the
     first, which compiles kernels, is kept as first_pass)."""

@@ -179,7 +179,7 @@ def _decode_blocked_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale,
 # --------------------------------------------------------------------------------------------
 # gqa and split_kv: one program per (sequence, KV head[, split]), all query heads of the group
 # --------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])      # the table's width changes step to step
 def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_ptr, sl_ptr, sm_scale,
                        max_blocks, split_len,
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
@@ -304,11 +304,15 @@ def _merge_chunk(g: int, block_d: int, splits: int, merge_tile: int) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,
                       block_n: int = 128) -> int:
     """Splits of the context for split_kv: enough programs to give every SM
-    SPLIT_PROGRAMS_PER_SM of them, but no split shorter than MIN_SPLIT_LEN keys."""
+    SPLIT_PROGRAMS_PER_SM of them, but no split shorter than MIN_SPLIT_LEN keys -- rounded down
+    to a power of two. NUM_SPLITS is a compile-time constant, and the decode parts of mixed steps
+    (eager, every batch size and context) would otherwise compile a kernel for nearly every value
+    from 2 to 128 as a server runs; powers of two are 7 kernels, compiled at load (warmup.py)."""
     programs = max(batch * num_kv_heads, 1)
     want = triton.cdiv(SPLIT_PROGRAMS_PER_SM * sm_count, programs)
     most = max(1, triton.cdiv(max_ctx, max(MIN_SPLIT_LEN, block_n)))
-    return int(max(1, min(want, most, MAX_SPLITS)))
+    n = int(max(1, min(want, most, MAX_SPLITS)))
+    return 1 << (n.bit_length() - 1)
 
 
 def choose_decode_plan(batch: int, num_kv_heads: int, max_ctx: int, sm_count: int,

@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INT32_LIMIT, freeze, num_stages
-from .online_softmax import LOG2E, online_softmax_update
+from .launch import AMPERE, INT32_LIMIT, capability, freeze, num_stages
+from .online_softmax import LOG2E
 from .paged import gather_pages
 
 
@@ -64,9 +64,21 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out[seq_of_token, idx_in_seq].to(q.dtype)
 
 
-# Tile sizes and launch parameters (tuned on the H200 for head_dim 64; see docs/kernels.md).
-# Read-only: pass another config (launch.merge_config(PREFILL_CONFIG, {...})) to change them.
-PREFILL_CONFIG = freeze({"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3})
+# Launch parameters per query length (tuned on the H200 for Llama-3.2-1B's heads: 32 query / 8 KV
+# heads, head_dim 64; docs/kernels.md has the sweep). A launch takes the first tier whose
+# "max_q_len" holds the step's longest query run. BLOCK_M counts tile ROWS: with PACK_GQA a row is
+# (query, head of the group), so a tile holds BLOCK_M / G queries of all G heads that share one KV
+# head and every K/V tile is read once for the whole group. Read-only: pass another config
+# (launch.merge_config(PREFILL_CONFIG, {"long": {...}})), or one flat config for every length.
+PREFILL_CONFIG = freeze({
+    "short": {"max_q_len": 4096, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+              "PACK_GQA": True},
+    "long": {"max_q_len": None, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+             "PACK_GQA": True},
+})
+# GPUs before Ampere (a T4: 64 KB of shared memory, no asynchronous copies): one safe config.
+PREFILL_CONFIG_PRE_AMPERE = freeze({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+                                    "PACK_GQA": True})
 # Under the interpreter (CPU) every padded row and column is computed in numpy, one program after
 # another: tiles no larger than the queries need (and at least MIN_BLOCK, tl.dot's minimum), and
 # key tiles of at most CPU_BLOCK_N.
@@ -74,11 +86,26 @@ MIN_BLOCK = 16
 CPU_BLOCK_N = 32
 
 
+def prefill_launch_config(config, max_q_len: int, device) -> dict:
+    """The launch parameters for a step whose longest query run is max_q_len: `config` is one flat
+    config (BLOCK_M, BLOCK_N, num_warps, num_stages[, PACK_GQA]), used as given, or tiers as
+    PREFILL_CONFIG (before Ampere: PREFILL_CONFIG_PRE_AMPERE whatever the tiers say)."""
+    if "BLOCK_M" in config:                        # one flat config: as given
+        return dict(config)
+    if device.type == "cuda" and capability(device) < AMPERE:
+        return dict(PREFILL_CONFIG_PRE_AMPERE)
+    return dict(next(c for c in config.values() if c["max_q_len"] is None or max_q_len <= c["max_q_len"]))
+
+
 @triton.jit
 def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n, offs_d, q_pos,
-                  seq_len, sm_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                  seq_len, qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                   stride_vh, D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr,
                   IEEE: tl.constexpr, EVEN_D: tl.constexpr, IDX64: tl.constexpr):
+    """One K/V tile of keys start..start+BLOCK_N: gather it from the pages, S = Q K^T, and the
+    online-softmax update (online_softmax.py's recurrence, written out here so that the scale is
+    folded into the exponent's subtraction (one FMA per score) and P V accumulates inside the
+    matrix instruction, as in FlashAttention-2)."""
     k_pos = start + offs_n
     if MASKED:
         kmask = k_pos < seq_len
@@ -104,39 +131,55 @@ def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * sm_scale
     if MASKED:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         s = tl.where(allowed, s, float("-inf"))
-    return online_softmax_update(acc, m_i, l_i, s, v, IEEE)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, m_new, l_i
 
 
-@triton.jit
-def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr, sm_scale,
+# Integer arguments that change from step to step are not specialized on (Triton would otherwise
+# compile a variant for each value that is 1 or a multiple of 16: more compiles at first sight).
+@triton.jit(do_not_specialize=["stride_bt", "num_m_tiles"])
+def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr, qk_scale,
                               stride_qt, stride_qh, stride_ot, stride_oh,
                               stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                               stride_bt, num_m_tiles,
-                              G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr, EVEN_D: tl.constexpr, IDX64: tl.constexpr):
+                              G: tl.constexpr, HEADS: tl.constexpr, BS: tl.constexpr,
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                              IDX64: tl.constexpr):
+    """One program: a tile of BLOCK_M rows = BLOCK_M // HEADS queries x HEADS query heads (HEADS
+    is 1, or G with PACK_GQA: the whole group of one KV head), of sequence b."""
+    BM_Q: tl.constexpr = BLOCK_M // HEADS                 # queries per tile
     pid_m = num_m_tiles - 1 - tl.program_id(0)          # heaviest (last) query tiles first
     b = tl.program_id(1)
-    h = tl.program_id(2)
-    kvh = h // G
+    hg = tl.program_id(2)                                 # which group of HEADS query heads
+    kvh = (hg * HEADS) // G
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
     seq_len = tl.load(sl_ptr + b)
     ctx = seq_len - q_len                                 # tokens already in the cache before q
-    m_start = pid_m * BLOCK_M
+    m_start = pid_m * BM_Q
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m_start + offs_r % BM_Q                      # row r: query m_start + r % BM_Q ...
+    head = hg * HEADS + offs_r // BM_Q                    # ... of head hg * HEADS + r // BM_Q
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < q_len
     dmask = offs_d < D
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    row_off = q_rows * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + row_off[:, None] + offs_d[None, :], mask=row_ok[:, None] & dmask[None, :], other=0.0)
     q_pos = ctx + offs_m
     bt_row_ptr = bt_ptr + b.to(tl.int64) * stride_bt
 
@@ -149,30 +192,31 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
     full_end = tl.where(tile_live, ((ctx + m_start) // BLOCK_N) * BLOCK_N, 0)
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
-                                      offs_n, offs_d, q_pos, seq_len, sm_scale, stride_kb,
+                                      offs_n, offs_d, q_pos, seq_len, qk_scale, stride_kb,
                                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                       D, BS, False, IEEE, EVEN_D, IDX64)
     # phase 2: the tiles that cross the causal diagonal (and the end of the sequence) -> masked
-    diag_end = tl.where(tile_live, tl.minimum(ctx + m_start + BLOCK_M, seq_len), 0)
+    diag_end = tl.where(tile_live, tl.minimum(ctx + m_start + BM_Q, seq_len), 0)
     for start in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
-                                      offs_n, offs_d, q_pos, seq_len, sm_scale, stride_kb,
+                                      offs_n, offs_d, q_pos, seq_len, qk_scale, stride_kb,
                                       stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                                       D, BS, True, IEEE, EVEN_D, IDX64)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    tl.store(o_ptr + q_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
+    o_off = q_rows * stride_ot + head * stride_oh
+    tl.store(o_ptr + o_off[:, None] + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & dmask[None, :])
 
 
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
                              seq_lens: torch.Tensor, scale: float,
                              max_q_len: int | None = None, *, config=PREFILL_CONFIG) -> torch.Tensor:
-    """Same contract as prefill_attention_torch; `config` holds the launch parameters (the keys
-    of PREFILL_CONFIG). No device->host sync: without max_q_len the grid is bounded by
-    min(T, block_table.shape[1] * block_size) (extra programs exit at once)."""
+    """Same contract as prefill_attention_torch; `config` holds the launch parameters (tiers as
+    PREFILL_CONFIG, or one flat config). No device->host sync: without max_q_len the grid is
+    bounded by min(T, block_table.shape[1] * block_size) (extra programs exit at once)."""
     t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     b = seq_lens.shape[0]
@@ -184,22 +228,27 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         max_q_len = min(t, block_table.shape[1] * bs)
     if t == 0 or b == 0 or max_q_len == 0:
         return out
-    block_m = config["BLOCK_M"]
-    block_n = config["BLOCK_N"]
+    cfg = prefill_launch_config(config, max_q_len, q.device)
+    g = hq // hkv
+    # the group's heads in one tile: needs a power-of-two group that divides the tile's rows
+    heads = g if cfg.get("PACK_GQA", False) and g & (g - 1) == 0 and cfg["BLOCK_M"] % g == 0 else 1
+    block_m = cfg["BLOCK_M"]
+    block_n = cfg["BLOCK_N"]
     if q.device.type == "cpu":                       # interpreter: small tiles, less padding
-        block_m = min(block_m, max(MIN_BLOCK, triton.next_power_of_2(max_q_len)))
+        per_tile = min(block_m // heads, triton.next_power_of_2(max_q_len))     # queries per tile
+        block_m = heads * max(per_tile, -(-MIN_BLOCK // heads))
         block_n = min(block_n, CPU_BLOCK_N)
-    num_m_tiles = triton.cdiv(max_q_len, block_m)
+    num_m_tiles = triton.cdiv(max_q_len, block_m // heads)
     block_d = max(MIN_BLOCK, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32
-    _prefill_attention_kernel[(num_m_tiles, b, hq)](
+    _prefill_attention_kernel[(num_m_tiles, b, hq // heads)](
         q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), num_m_tiles,
-        G=hq // hkv, BS=bs, D=d, BLOCK_D=block_d,
+        G=g, HEADS=heads, BS=bs, D=d, BLOCK_D=block_d,
         BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, EVEN_D=d == block_d,
         IDX64=max(k_cache.numel(), v_cache.numel()) >= INT32_LIMIT,
-        num_warps=config["num_warps"], num_stages=num_stages(config["num_stages"], q.device))
+        num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], q.device))
     return out
