@@ -142,9 +142,27 @@ def _llm(args, **kw):
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
     kw["prefix_caching"] = args.prefix_caching
+    if getattr(args, "speculative_config", None):
+        kw["speculative_config"] = spec_json(args.speculative_config)
     return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
                attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
+
+
+def spec_json(text: str) -> dict:
+    """--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' (vLLM's flag)."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        fail(f"--speculative-config must be JSON such as '{{\"method\": \"ngram\", "
+             f"\"num_speculative_tokens\": 4}}': {e}")
+    from .spec.config import SpeculativeConfig
+    try:
+        SpeculativeConfig.of(value)
+    except (TypeError, ValueError) as e:
+        fail(f"--speculative-config: {e}")
+    return value
 
 
 def demo(args) -> None:
@@ -241,6 +259,8 @@ def serve(args) -> None:
     kw["prefix_caching"] = args.prefix_caching
     if args.quantization:
         kw["quantization"] = args.quantization
+    if args.speculative_config:
+        kw["speculative_config"] = spec_json(args.speculative_config)
     if args.gpu_memory_utilization is not None:
         kw["memory_fraction"] = args.gpu_memory_utilization
     name = args.served_model_name or args.model
@@ -295,6 +315,8 @@ def build_parser() -> ArgumentParser:
         sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",
                         default=DEFAULT_MAX_TOKENS, help="new tokens per answer at most (>= 1)")
         sp.add_argument("--temperature", type=float, default=0.0, help=">= 0 (0 = greedy)")
+        sp.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
         sp.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
         sp.add_argument("--data-parallel-size", type=int, default=1,
@@ -337,6 +359,8 @@ def build_parser() -> ArgumentParser:
     prefix_caching_flag(s)
     s.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
+    s.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (docs/speculative.md)')
     s.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split every layer across N processes/GPUs (>= 1; docs/parallel.md)")
     s.add_argument("--data-parallel-size", type=int, default=1,

@@ -419,6 +419,10 @@ class EngineConfig:
     quantization:      None (weights in `dtype`) or "fp8": linear weights stored as float8 e4m3
                        with one fp32 scale per output channel, quantized at load (quantization.py;
                        on CUDA it needs compute capability >= 8.9).
+    speculative_config: None (off) or vLLM's dict, e.g. {"method": "ngram",
+                       "num_speculative_tokens": 4, "prompt_lookup_max": 4} (spec/config.py): guess
+                       tokens and verify them in one step (spec/__init__.py); stored checked, as a
+                       SpeculativeConfig.
     """
     block_size: int = 16
     num_blocks: int | None = None
@@ -438,6 +442,7 @@ class EngineConfig:
     max_trace_steps: int | None = 10_000
     prefix_caching: bool = True
     quantization: str | None = None
+    speculative_config: object = None
 
     def __post_init__(self):
         self.validate()
@@ -468,6 +473,11 @@ class EngineConfig:
         self.prefix_caching = _check_bool("prefix_caching", self.prefix_caching)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        from .spec.config import SpeculativeConfig
+        try:
+            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("speculative_config", "None or a dict of vLLM's names", str(e)) from None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -141,6 +141,13 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs)
         # prefix caching hashes the blocks a step fills while the device runs that step
         self.runner.while_running = getattr(self.scheduler, "hash_ahead", None)
+        self.speculator = None
+        if cfg.speculative_config is not None:      # guess k tokens, verify them in one step (spec/)
+            from .spec import make_proposer
+            from .spec.speculator import Speculator
+            sc = cfg.speculative_config
+            self.speculator = self.scheduler.speculator = Speculator(
+                make_proposer(sc, model, cfg), sc.num_speculative_tokens, sc.adaptive)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
         self._traced_endings = weakref.WeakSet()    # finished requests a trace record has named
@@ -150,7 +157,9 @@ class Engine:
         self.timer = PhaseTimer()
         # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy); a trace
         # shows steps one by one, so it runs the plain loop
-        self.overlap = cfg.overlap and self.runner.graphs is not None and not cfg.trace
+        # speculating, each step's shape depends on how many guesses the last one kept: plain loop
+        self.overlap = (cfg.overlap and self.runner.graphs is not None and not cfg.trace
+                        and self.speculator is None)
         self._step = self._step_overlap if self.overlap else self._step_plain
         self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
         self.num_overlapped = 0         # steps launched before the previous one was read

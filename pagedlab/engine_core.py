@@ -106,7 +106,7 @@ class EngineCore:
             ids = req.output_token_ids
             out.add(req.request_id, ids[have:], self._logprobs(req, have, len(ids)),
                     Finished(req.finish_reason, req.stop_token_id, req.error, req.num_cached_tokens,
-                             req.num_preemptions))
+                             req.num_preemptions, req.num_spec_proposed, req.num_spec_accepted))
         return out
 
     @staticmethod

@@ -34,6 +34,8 @@ class Finished(NamedTuple):
     error: str | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_proposed: int = 0       # speculative decoding: guesses verified, and kept
+    num_spec_accepted: int = 0
 
 
 @dataclass
@@ -78,6 +80,8 @@ class RequestOutput:
     stop_reason: str | None = None   # finish_reason "stop": which token (from which source) or string
     error: str | None = None         # finish_reason "error": what went wrong
     num_cached_tokens: int = 0       # prompt tokens taken from the prefix cache (not computed)
+    num_spec_proposed: int = 0       # speculative decoding: guessed tokens verified ...
+    num_spec_accepted: int = 0       # ... and of those, kept (emitted without a step of their own)
     logprobs: list | None = None     # SamplingParams.logprobs: a TokenLogprob per output token
     outputs: list | None = None      # SamplingParams.n > 1: every sample's RequestOutput (this is [0])
 
@@ -159,6 +163,8 @@ class RequestState:
             itl_s=[b - a for a, b in zip(times, times[1:])],
             num_preemptions=done.num_preemptions if done else 0, stop_reason=stop_reason,
             error=done.error if done else None, num_cached_tokens=done.num_cached_tokens if done else 0,
+            num_spec_proposed=done.num_spec_proposed if done else 0,
+            num_spec_accepted=done.num_spec_accepted if done else 0,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
         return self.output
 

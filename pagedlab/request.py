@@ -42,6 +42,12 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # speculative decoding (spec/): this step's guesses, totals, and what drives its k
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_spec_proposed: int = 0                # guesses verified
+    num_spec_accepted: int = 0                # of those, kept (emitted)
+    spec_rate: float = 0.8                    # running acceptance rate (spec/accept.py AdaptiveK)
+    spec_pause: int = 0                       # steps left without proposals
 
     @property
     def num_tokens(self) -> int:

@@ -45,6 +45,17 @@ def decode_kv_slots(reqs, block_size: int) -> list[int]:
     return [r.blocks[(r.num_tokens - 1) // bs] * bs + (r.num_tokens - 1) % bs for r in reqs]
 
 
+def verify_rows(reqs) -> tuple[list, list[int]]:
+    """Speculative steps: each request once per row (its last token, then each guess), and the
+    row's offset from its first row."""
+    out, offsets = [], []
+    for r in reqs:
+        m = 1 + len(r.spec_token_ids)
+        out += [r] * m
+        offsets += range(m)
+    return out, offsets
+
+
 @dataclass
 class StepInputs:
     """A step's device work as host data: "pack" (data = the packed lists of _host_inputs) or
@@ -98,7 +109,8 @@ class ModelRunner:
 
     def replays(self, batch) -> bool:
         """Is this step a CUDA-graph replay (decode only, a captured size)?"""
-        return self.graphs is not None and not batch.prefill and self.graphs.batch_size(len(batch.decode)) is not None
+        rows = len(batch.decode) + sum(len(r.spec_token_ids) for r in batch.decode)
+        return self.graphs is not None and not batch.prefill and self.graphs.batch_size(rows) is not None
 
     def launch(self, batch, after: Launch | None = None) -> Launch:
         """Start the step. `after`: the launch just before this one, not read yet; rows of this
@@ -106,10 +118,12 @@ class ModelRunner:
         prev, self.last = self.last, None
         if after is not None and after is not prev:
             raise RuntimeError("launch(after=...) must name the latest launch")
-        reqs = batch.sampled
+        reqs, offsets = batch.sampled, None
+        if any(r.spec_token_ids for r in batch.decode):     # speculative: a row per guess too
+            reqs, offsets = verify_rows(reqs)
         if self.replays(batch):
             step = StepInputs("replay", batch.table_edits,
-                              self._graph_rows(reqs, after.rows if after is not None else {}))
+                              self._graph_rows(batch.sampled, after.rows if after is not None else {}))
         else:
             step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
         logits, replay = self.execute(step)
@@ -117,7 +131,7 @@ class ModelRunner:
             self.while_running(batch)        # host work that overlaps the device's (prefix hashing)
         tokens = None
         if replay is None or not all(r.params.plain_greedy for r in reqs):
-            tokens, batch.logprobs = self._sample(logits, reqs)
+            tokens, batch.logprobs = self._sample(logits, reqs, offsets)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
 
@@ -156,12 +170,23 @@ class ModelRunner:
             p_lens.append(end)
             if end == r.num_tokens:
                 logit_rows.append(cu[-1] - 1)
-        d_lens = [r.num_tokens for r in batch.decode]
-        ids += [r.last_token_id for r in batch.decode]
-        pos += [n - 1 for n in d_lens]
-        slot_mapping += decode_kv_slots(batch.decode, bs)
-        logit_rows += range(cu[-1], cu[-1] + len(batch.decode))
-        p_slots, d_slots = [r.slot for r in batch.prefill], [r.slot for r in batch.decode]
+        if any(r.spec_token_ids for r in batch.decode):
+            d_lens, d_slots = [], []
+            for r in batch.decode:              # verify: the last token, then each guess, one row each
+                n, m = r.num_tokens, len(r.spec_token_ids)
+                ids += [r.last_token_id] + r.spec_token_ids
+                pos += range(n - 1, n + m)
+                d_lens += range(n, n + m + 1)   # row i sees the sequence up to its own position
+                slot_mapping += kv_slots(r.blocks, n - 1, n + m, bs)
+                d_slots += [r.slot] * (m + 1)
+        else:
+            d_lens = [r.num_tokens for r in batch.decode]
+            ids += [r.last_token_id for r in batch.decode]
+            pos += [n - 1 for n in d_lens]
+            slot_mapping += decode_kv_slots(batch.decode, bs)
+            d_slots = [r.slot for r in batch.decode]
+        logit_rows += range(cu[-1], cu[-1] + len(d_lens))
+        p_slots = [r.slot for r in batch.prefill]
         return [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
 
     def _device_inputs(self, parts):
@@ -188,14 +213,24 @@ class ModelRunner:
     def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
         """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
         step before whose (not yet read) token is this request's input, or -1."""
+        if any(r.spec_token_ids for r in reqs):
+            rows = []
+            for r in reqs:                      # verify rows (no overlap loop while speculating)
+                n, m = r.num_tokens, len(r.spec_token_ids)
+                for i, (tok, s) in enumerate(zip([r.last_token_id] + r.spec_token_ids,
+                                                  kv_slots(r.blocks, n - 1, n + m, self.block_size))):
+                    rows.append((tok, n - 1 + i, s, n + i, r.slot, -1))
+            return rows
         slots = decode_kv_slots(reqs, self.block_size)
         return [(max(r.last_token_id, 0), r.num_tokens - 1, s, r.num_tokens, r.slot, pending.get(r.request_id, -1))
                 for r, s in zip(reqs, slots)]
 
     # -- output -----------------------------------------------------------------
-    def _sample(self, logits, reqs):
+    def _sample(self, logits, reqs, offsets=None):
         """The sampled token ids on the host -- the step's one device -> host read -- and, if any
-        request asked for logprobs, a TokenLogprob per row (None for rows that did not ask)."""
+        request asked for logprobs, a TokenLogprob per row (None for rows that did not ask).
+        offsets: verify rows (speculative) -- row i of a request draws the token at its position
+        num_tokens + offset, with the very noise a plain step at that position would use."""
         ps = [r.params for r in reqs]
         if all(p.plain_greedy for p in ps):
             return logits.argmax(dim=-1).tolist(), None
@@ -207,7 +242,8 @@ class ModelRunner:
             top_k=torch.tensor([p.top_k for p in ps], device=dev),
             top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
             seeds=torch.tensor([r.seed for r in reqs], device=dev),
-            positions=torch.tensor([r.num_tokens for r in reqs], device=dev),
+            positions=torch.tensor([r.num_tokens for r in reqs] if offsets is None else
+                                   [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev),
             all_greedy=all(p.greedy for p in ps),
             any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
             min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)

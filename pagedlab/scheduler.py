@@ -80,6 +80,8 @@ class Batch:
 
 
 class Scheduler:
+    speculator = None       # spec.speculator.Speculator when speculative decoding is on (engine.py)
+
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int = 8192, policy: str = "continuous",
                  stop_token_ids: dict[int, str] | None = None, record_views: bool = False,
@@ -319,7 +321,9 @@ class Scheduler:
             if self.make_room(req, step):
                 req.num_scheduled = 1
                 step.decode.append(req)
-        budget = self.max_num_batched_tokens - len(step.decode)
+        if self.speculator is not None:             # guesses for the decodes: one more row each
+            self.speculator.plan(self, step)
+        budget = self.max_num_batched_tokens - len(step.decode) - sum(len(r.spec_token_ids) for r in step.decode)
         # 2. prefills that did not finish in earlier steps: their next chunk (blocks already held).
         for req in self.admitted:
             if budget > 0 and req.num_tokens - req.num_computed > 1:
@@ -368,9 +372,15 @@ class Scheduler:
 
     @atomic
     def accept(self, batch: Batch, tokens: list[int]) -> None:
-        """After the step ran: append each new token, stop, finish, free."""
+        """After the step ran: append each new token, stop, finish, free. (Speculating, `tokens`
+        has a row per guess too: the speculator keeps what verifies, spec/speculator.py.)"""
+        spec = self.speculator is not None and any(r.spec_token_ids for r in batch.decode)
+        if spec:
+            tokens, rows = self.speculator.rows(batch, tokens)
         self.advance(batch, tokens)
         self.settle(batch, tokens)
+        if spec:
+            self.speculator.settle(self, batch, rows)
 
     @atomic
     def advance(self, batch: Batch, tokens: list[int] | None = None) -> None:

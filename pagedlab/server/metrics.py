@@ -63,6 +63,10 @@ class ServerMetrics:
                                      registry=reg)
         self.prefix_cache_hit_tokens = Counter(
             "pagedlab_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", registry=reg)
+        self.spec_proposed = Counter("pagedlab_spec_proposed_tokens",
+                                     "speculative decoding: guessed tokens verified (finished requests)", registry=reg)
+        self.spec_accepted = Counter("pagedlab_spec_accepted_tokens",
+                                     "speculative decoding: of those, kept (finished requests)", registry=reg)
         self.preemptions = Counter("pagedlab_preemptions", "preemptions of finished requests",
                                    registry=reg)
         self.finished = Counter("pagedlab_requests_finished", "requests finished, by finish_reason",
@@ -89,6 +93,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.prefix_cache_hit_tokens.inc(getattr(output, "num_cached_tokens", 0) or 0)
         self.preemptions.inc(output.num_preemptions)
+        self.spec_proposed.inc(getattr(output, "num_spec_proposed", 0) or 0)
+        self.spec_accepted.inc(getattr(output, "num_spec_accepted", 0) or 0)
         for gap in output.itl_s:
             self.itl.observe(gap)
 

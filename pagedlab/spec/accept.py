@@ -1,0 +1,58 @@
+"""What a verify step keeps, and how many guesses to ask for next time.
+
+accept_greedy(drafts, targets): targets[i] is the target's token for the position drafts[i]
+guesses (targets has one more: the token after the last guess). Guesses are kept while they equal
+the target's token; the step emits the target's tokens up to and including the first mismatch
+(the correction), or all k + 1 if every guess was right (the last one is a bonus).
+
+emit(...) is the same with the two ways a request can end inside a step: a stop token (the
+tokens after it are never emitted) and the token budget (max_tokens).
+"""
+from __future__ import annotations
+
+
+def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
+    """The tokens a verify step emits: targets[:a + 1], a = how many leading guesses equal the
+    target's token at their position. len(targets) == len(drafts) + 1."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return targets[:a + 1]
+
+
+def emit(drafts: list[int], targets: list[int], stop_ids=(), budget: int | None = None) -> list[int]:
+    """accept_greedy, cut after the first stop token and to at most `budget` tokens."""
+    out = accept_greedy(drafts, targets)
+    for i, t in enumerate(out):
+        if t in stop_ids:
+            out = out[:i + 1]
+            break
+    return out if budget is None else out[:max(budget, 0)]
+
+
+class AdaptiveK:
+    """Acceptance drives k, per request. `rate` is a running mean of kept / proposed (starting
+    optimistic). Below `min_rate` guesses cost more rows than they save: the request stops
+    proposing for `pause` steps, then tries again from a neutral rate; above it, k shrinks with
+    the rate (expected run of kept guesses ~ rate / (1 - rate), plus one)."""
+
+    def __init__(self, k_max: int, min_rate: float = 0.2, pause: int = 16, weight: float = 0.3):
+        self.k_max, self.min_rate, self.pause, self.weight = k_max, min_rate, pause, weight
+
+    def k(self, req) -> int:
+        if req.spec_pause > 0:
+            req.spec_pause -= 1
+            if req.spec_pause == 0:
+                req.spec_rate = 0.5
+            return 0
+        r = req.spec_rate
+        if r >= 0.8:
+            return self.k_max
+        return max(1, min(self.k_max, round(r / (1 - r)) + 1))
+
+    def update(self, req, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        req.spec_rate += self.weight * (accepted / proposed - req.spec_rate)
+        if req.spec_rate < self.min_rate:
+            req.spec_pause = self.pause

@@ -1,0 +1,58 @@
+"""n-gram prompt lookup: guess that the text goes on as it went on the last time it said the same.
+
+    tokens = [... A B C x y z ... A B C]      last n = 3 tokens "A B C" seen before
+                       ^^^^^ -> propose x y z (up to k tokens)
+
+Longest n first (prompt_lookup_max down to prompt_lookup_min); for that n the most recent earlier
+occurrence wins (a quote or an edit copies what was said last). The continuation may be shorter
+than k (a match near the end) and may run into the suffix itself (repetitions). No match: no
+guesses, the step is a plain decode. Costs nothing on the device: copy-heavy text (quoting,
+editing, code) gets many tokens per step for free, free-running text gets none and loses nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n tokens,
+    for the largest n in [n_min, n_max] that has one; [] if none does (or k <= 0). Plain Python:
+    the rule as the chapter builds it; NgramProposer runs the same rule with numpy."""
+    L = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):          # latest first; never the suffix itself
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def propose_ngram_np(tokens: np.ndarray, k: int, n_max: int, n_min: int = 1) -> list[int]:
+    """propose_ngram on an int array: each n's windows compared at once."""
+    L = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)   # starts 0 .. L-1-n
+        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1])
+            return tokens[start + n:start + n + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """method "ngram": propose(requests, ks) -> one list of guesses per request (host only)."""
+    method = "ngram"
+
+    def __init__(self, n_max: int, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, requests, ks: list[int]) -> list[list[int]]:
+        return [propose_ngram_np(np.asarray(r.all_token_ids, dtype=np.int64), k, self.n_max, self.n_min)
+                if k > 0 else [] for r, k in zip(requests, ks)]
+
+    def forget(self, request) -> None:
+        """Nothing kept per request."""

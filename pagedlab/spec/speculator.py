@@ -1,0 +1,112 @@
+"""The scheduler's side of speculation: ask for guesses, make room for them, keep what verifies.
+
+    schedule():  plan(scheduler, step)        after the decodes got room for their next token
+    accept():    rows(batch, tokens)          the runner's rows -> one token per sampled request
+                 settle(scheduler, batch, v)  after the plain settle: the kept guesses
+
+A verifying request keeps num_scheduled = 1 (its last token, as in any decode: advance() counts it
+computed) and carries its guesses in `spec_token_ids`; each guess is one more decode row
+(runner.py). settle() appends the target's tokens the accept rule keeps, one at a time through the
+scheduler's own stop check (EOS, stop ids, max_tokens, max_model_len inside the guesses all stop
+there), advances num_computed over the kept guesses only, and gives back the blocks that were
+taken for guesses that were not kept.
+"""
+from __future__ import annotations
+
+import time
+
+from ..interrupts import atomic
+from ..kv_cache import blocks_needed
+from ..request import RequestStatus
+from .accept import AdaptiveK, accept_greedy
+
+
+def num_guesses(batch) -> int:
+    return sum(len(r.spec_token_ids) for r in batch.decode)
+
+
+def can_speculate(req) -> bool:
+    """Penalties read the output so far (a guess row would need the guesses before it counted) and
+    logprobs are one per sampled row: such requests decode one token per step."""
+    return not req.params.has_penalties and req.params.logprobs is None
+
+
+class Speculator:
+    def __init__(self, proposer, k_max: int, adaptive: bool = True):
+        self.proposer, self.k_max = proposer, k_max
+        self.adaptive = AdaptiveK(k_max) if adaptive else None
+        self.num_proposed = self.num_accepted = self.num_verify_steps = 0
+
+    @atomic
+    def plan(self, sched, step) -> None:
+        """Guesses for this step's decodes, within the token budget and the blocks free now
+        (never preempting anyone for a guess)."""
+        for r in sched.admitted:
+            r.spec_token_ids = []
+        room_rows = sched.max_num_batched_tokens - len(step.decode)
+        reqs, ks = [], []
+        for r in step.decode:
+            if not can_speculate(r):
+                continue
+            left = min(r.params.max_new_tokens - len(r.output_token_ids), sched.max_model_len - r.num_tokens)
+            k = min(self.adaptive.k(r) if self.adaptive else self.k_max, left - 1, room_rows)
+            if k > 0:
+                reqs.append(r)
+                ks.append(k)
+                room_rows -= k
+        if not reqs:
+            return
+        bs = sched.block_size
+        for r, guesses in zip(reqs, self.proposer.propose(reqs, ks)):
+            if not guesses:
+                continue
+            n = r.num_tokens
+            if not sched._grow(r, n + len(guesses)):        # no preemption for a guess: fit what fits
+                guesses = guesses[:len(r.blocks) * bs - n]
+            r.spec_token_ids = list(guesses)
+
+    @staticmethod
+    def rows(batch, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
+        """The runner's per-row tokens -> (first token per sampled request, all rows of each)."""
+        first, per_req, i = [], [], 0
+        for r in batch.sampled:
+            m = 1 + len(r.spec_token_ids)
+            per_req.append(tokens[i:i + m])
+            first.append(tokens[i])
+            i += m
+        return first, per_req
+
+    @atomic
+    def settle(self, sched, batch, per_req: list[list[int]]) -> None:
+        """After the plain settle put each request's first token in: the kept guesses' tokens."""
+        now, bs = time.perf_counter(), sched.block_size
+        for r, targets in zip(batch.sampled, per_req):
+            guesses = r.spec_token_ids
+            if not guesses:
+                continue
+            r.spec_token_ids = []
+            out = accept_greedy(guesses, targets)
+            self.num_verify_steps += 1
+            if self.adaptive is not None:
+                self.adaptive.update(r, len(guesses), len(out) - 1)
+            kept = 0
+            if r.status is not RequestStatus.FINISHED:      # (it may have stopped at its first token)
+                for tok in out[1:]:
+                    r.num_computed += 1                     # the guess before it is now a real token
+                    r.output_token_ids.append(tok)
+                    r.token_times.append(now)
+                    kept += 1
+                    reason = sched.stop_reason(r, len(r.output_token_ids) - 1)
+                    if reason:
+                        sched.finish(r, reason)
+                        break
+            r.num_spec_proposed += len(guesses)
+            r.num_spec_accepted += kept
+            self.num_proposed += len(guesses)
+            self.num_accepted += kept
+            if r.status is not RequestStatus.FINISHED:
+                keep = blocks_needed(r.num_tokens, bs)      # room for the next token, no more
+                if len(r.blocks) > keep:
+                    extra = r.blocks[keep:]
+                    del r.blocks[keep:]
+                    sched.allocator.free(extra)

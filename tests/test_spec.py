@@ -1,0 +1,230 @@
+"""Speculative decoding (pagedlab/spec/), on the tiny random model in fp32 on CPU:
+
+* the n-gram proposer (plain rule and numpy path agree on random sequences; edge cases) and the
+  accept rule (no match, all kept, stop token and budget inside the guesses);
+* greedy identity: randomized request streams through the speculative engine -- arrivals between
+  steps, preemption (a small pool), chunked prefill, prefix caching, stop tokens and max_tokens
+  inside the guesses, aborts, the CUDA-graph code path run eagerly -- give token for token what
+  the plain engine gives, and after EVERY step the block accounting is exact (each running
+  request holds no block past its tokens: those taken for rejected guesses went back;
+  reference counts equal holders; nothing leaks at the end);
+* seeded sampling, penalties, logprobs, stop strings through LLM.generate: identical too (a verify
+  row draws with the noise of its position, sampling.py);
+* rejection sampling keeps the target distribution (chi-square, seeded), for a general draft
+  distribution and for one-hot guesses;
+* proposed / accepted counts reach RequestOutput; config errors name the key.
+"""
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import mixed_params, tiny_llm
+from pagedlab import SamplingParams
+from pagedlab.kv_cache import blocks_needed
+from pagedlab.spec import accept_greedy, emit, propose_ngram, rejection_sample
+from pagedlab.spec.ngram import propose_ngram_np
+
+VOCAB = 512
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# ----------------------------------------------------------------------------- units
+def test_ngram_edge_cases():
+    assert propose_ngram([1, 2, 3, 4], 3, 2) == []                       # no match
+    assert propose_ngram([5, 6, 7, 5, 6], 3, 2) == [7, 5, 6]             # longest n, its continuation
+    assert propose_ngram([5, 6, 7, 5, 6], 1, 2) == [7]                   # k caps it
+    assert propose_ngram([9, 5, 6, 9], 4, 2) == [5, 6, 9]                # match near the end: fewer than k
+    assert propose_ngram([1, 2, 1, 3, 1], 2, 1) == [3, 1]                # the latest occurrence wins
+    assert propose_ngram([1, 2, 3, 1, 2], 2, 3, 3) == []                 # n below prompt_lookup_min: none
+    assert propose_ngram([4, 4, 4], 3, 2) == [4]                         # overlapping repeat
+    assert propose_ngram([7], 3, 2) == [] and propose_ngram([1, 1], 0, 2) == []
+
+
+def test_ngram_numpy_path_matches_the_rule():
+    rnd = random.Random(0)
+    for _ in range(300):
+        v = rnd.choice([2, 3, 8])
+        t = [rnd.randrange(v) for _ in range(rnd.randint(1, 40))]
+        k, n_max = rnd.randint(0, 6), rnd.randint(1, 5)
+        n_min = rnd.randint(1, n_max)
+        assert propose_ngram_np(np.array(t), k, n_max, n_min) == propose_ngram(t, k, n_max, n_min), (t, k, n_max, n_min)
+
+
+def test_accept_rule():
+    assert accept_greedy([], [7]) == [7]
+    assert accept_greedy([1, 2, 3], [9, 2, 3, 4]) == [9]                 # first guess wrong: the correction
+    assert accept_greedy([1, 2, 3], [1, 2, 8, 4]) == [1, 2, 8]
+    assert accept_greedy([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]        # all kept + the bonus token
+    assert emit([1, 2, 3], [1, 2, 3, 4], stop_ids={2}) == [1, 2]         # EOS inside the guesses
+    assert emit([1, 2, 3], [1, 2, 3, 4], budget=2) == [1, 2]             # max_tokens inside them
+    assert emit([1, 2, 3], [5, 2, 3, 4], stop_ids={2}, budget=3) == [5]
+
+
+# ----------------------------------------------------------------------------- the engine
+def copy_prompts(rnd, n):
+    """Prompts that repeat themselves (n-grams match) with random tails."""
+    out = []
+    for _ in range(n):
+        base = [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(2, 9))]
+        p = (base * rnd.randint(1, 5))[:rnd.randint(3, 45)]
+        out.append(p + [rnd.randrange(3, VOCAB) for _ in range(rnd.randint(0, 4))])
+    return out
+
+
+def check_blocks(engine):
+    """Exact block accounting: each running request holds blocks for its computed tokens and at
+    most for all its tokens (none left over from rejected guesses), the allocator's reference
+    counts are the holders, free + held + cached = the pool."""
+    s = engine.scheduler
+    alloc, holders = s.allocator, {}
+    for r in s.admitted:
+        bs = s.block_size
+        assert blocks_needed(r.num_computed, bs) <= len(r.blocks) <= blocks_needed(r.num_tokens, bs), \
+            (r.request_id, len(r.blocks), r.num_computed, r.num_tokens)
+        assert r.num_computed <= r.num_tokens and not r.spec_token_ids
+        for b in r.blocks:
+            holders[b] = holders.get(b, 0) + 1
+    assert holders == alloc.ref_count
+    assert len(alloc.free_blocks) + len(alloc.cached) + len(alloc.ref_count) == alloc.num_blocks
+
+
+def run_stream(llm, prompts, params, seed, abort_at=()):
+    """Requests arrive between steps; abort_at: request indices aborted after their first token."""
+    eng, rnd = llm.engine, random.Random(seed)
+    ids, done, pending = {}, {}, list(range(len(prompts)))
+    while pending or eng.has_work():
+        for _ in range(rnd.randint(0, 3)):
+            if pending:
+                i = pending.pop(0)
+                ids[eng.add_request(prompts[i], params[i])] = i
+        for r in eng.step():
+            done[ids[r.request_id]] = r
+        check_blocks(eng)
+        for i in abort_at:
+            rid = next((k for k, v in ids.items() if v == i), None)
+            if rid is not None and rid in eng.scheduler.requests and eng.scheduler.requests[rid].output_token_ids:
+                eng.abort(rid)
+    assert eng.scheduler.allocator.num_used == 0
+    return [done[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked"])
+def test_greedy_identity_on_random_streams(variant):
+    rnd = random.Random(hash(variant) % 1000)
+    prompts = copy_prompts(rnd, 10)
+    prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
+    kw = dict(dtype="float32", max_num_seqs=4, cuda_graphs=False)
+    if variant == "preempt+prefix":
+        kw.update(num_blocks=14, block_size=4, prefix_caching=True)
+    else:
+        kw.update(cuda_graphs="eager", max_num_batched_tokens=24, block_size=8)
+    plain = tiny_llm(**kw)
+    ref = plain.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    # stop ids and max_tokens chosen to fall inside a step's guesses
+    params = []
+    for o in ref:
+        kind = rnd.choice(["len", "stop", "long"])
+        if kind == "stop":
+            params.append(SamplingParams(max_tokens=30, ignore_eos=True,
+                                         stop_token_ids=[o.token_ids[rnd.randrange(3, 25)]]))
+        else:
+            params.append(SamplingParams(max_tokens=rnd.randint(1, 30) if kind == "len" else 30, ignore_eos=True))
+    want = run_stream(plain, prompts, params, seed=1)
+    spec = tiny_llm(speculative_config=NGRAM, **kw)
+    got = run_stream(spec, prompts, params, seed=2, abort_at=(3, 7))
+    for i, (a, b) in enumerate(zip(want, got)):
+        if b.finish_reason == "abort":
+            assert a.output_token_ids[:len(b.output_token_ids)] == b.output_token_ids, i
+        else:
+            assert (a.output_token_ids, a.finish_reason) == (b.output_token_ids, b.finish_reason), i
+    s = spec.engine.speculator
+    assert s.num_accepted > 20 and s.num_proposed > s.num_accepted      # it guessed, kept some, lost some
+    if variant == "preempt+prefix":
+        assert sum(r.num_preemptions for r in got) > 0 and spec.engine.scheduler.allocator.prefix_hits > 0
+
+
+def test_sampling_penalties_logprobs_stop_strings_identical():
+    rnd = random.Random(5)
+    prompts = copy_prompts(rnd, 8)
+    kw = dict(dtype="float32", max_num_seqs=3)
+    plain = tiny_llm(**kw)
+    free = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    params = mixed_params(free, rnd, max_tokens=16)
+    params[0] = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)   # sampled, surely
+    want = plain.generate(prompts, params)
+    spec = tiny_llm(speculative_config=dict(NGRAM, num_speculative_tokens=3), **kw)
+    got = spec.generate(prompts, params)
+    for a, b in zip(want, got):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs:
+            assert [x.token_id for x in a.logprobs] == [x.token_id for x in b.logprobs]
+    assert sum(o.num_spec_proposed for o in got) == spec.engine.speculator.num_proposed > 0
+    assert sum(o.num_spec_accepted for o in got) == spec.engine.speculator.num_accepted
+    assert all(o.num_spec_accepted <= o.num_spec_proposed for o in got)
+    assert all(o.num_spec_proposed == 0 for o, p in zip(got, params) if p.has_penalties or p.logprobs is not None)
+
+
+def test_adaptive_k_backs_off():
+    """A request whose guesses are all wrong stops proposing (k = 0) for a while."""
+    from pagedlab.spec import AdaptiveK
+    from pagedlab.request import Request
+    r = Request(0, [1], SamplingParams(), 0)
+    ak = AdaptiveK(4)
+    assert ak.k(r) == 4
+    ks = []
+    for _ in range(40):
+        k = ak.k(r)
+        ks.append(k)
+        ak.update(r, k, 0)
+    first_pause = ks.index(0)
+    assert first_pause <= 5 and ks.count(0) >= 30 and max(ks[first_pause:]) <= 2, ks   # paused, short probes
+
+
+def test_bad_speculative_config_is_refused():
+    from pagedlab.config import ConfigError, EngineConfig
+    for bad, word in (({"method": "medusa"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+                      ({"prompt_lookup_mx": 3}, "prompt_lookup_mx"), ("ngram", "dict"),
+                      ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min")):
+        with pytest.raises(ConfigError, match=word):
+            EngineConfig(speculative_config=bad)
+
+
+# ----------------------------------------------------------------------------- rejection sampling
+def chi2_p(counts, probs):
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs[keep] * n
+    x = float((((counts[keep] - expected) ** 2) / expected).sum())
+    df = int(keep.sum()) - 1                         # P(chi2_df > x) = Q(df / 2, x / 2)
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_keeps_the_target_distribution(one_hot):
+    g = torch.Generator().manual_seed(7 + one_hot)
+    V, k, N = 5, 2, 3000
+    p = torch.softmax(torch.randn(k + 1, V, generator=g, dtype=torch.float64) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, V, generator=g, dtype=torch.float64) * 1.5, -1)
+    p[1, 4] = 0.0                                    # a token the target never emits at position 1
+    p[1] /= p[1].sum()
+    first, second, kept = np.zeros(V), np.zeros(V), 0
+    for _ in range(N):
+        drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+        out = rejection_sample(p, drafts, None if one_hot else q, generator=g)
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[1]] += 1
+        kept += len(out) - 1
+    # target rows here do not depend on the tokens before them: position i is p[i] whatever came first
+    assert chi2_p(first, p[0].numpy()) > 1e-3
+    assert chi2_p(second, p[1].numpy()) > 1e-3
+    assert 0 < kept < N * k
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
