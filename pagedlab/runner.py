@@ -78,9 +78,12 @@ class Launch:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, max_num_seqs: int, max_model_len: int, cuda_graphs=True):
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_model_len: int, cuda_graphs=True,
+                 rows_per_seq: int = 1):
         """cuda_graphs: True (capture on CUDA), False (never), "eager" (the graph code path run
-        without capturing, on any device: what the CPU tests use to check the overlap loop)."""
+        without capturing, on any device: what the CPU tests use to check the overlap loop).
+        rows_per_seq: decode rows one sequence may take (speculative decoding: 1 + k), so graphs
+        are captured for max_num_seqs * rows_per_seq rows (at most MAX_GRAPH_BATCH)."""
         self.model, self.kv_cache = model, kv_cache
         # tensor parallelism: rank 0 sends each step's inputs to the other ranks (parallel/group.py)
         tp = getattr(model, "tp", None)
@@ -93,7 +96,8 @@ class ModelRunner:
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
             from .cuda_graph import DecodeGraphs
             self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
-                                       min(max_num_seqs, MAX_GRAPH_BATCH), capture=cuda_graphs is True)
+                                       min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH),
+                                       capture=cuda_graphs is True)
         self.last: Launch | None = None      # the latest launch, if it completed
         # called with each batch once its device work is queued, before anything waits for it:
         # host work that needs no result of the step runs there while the device computes

@@ -8,6 +8,8 @@
     prefix    prefix caching off and on: a shared system prompt, multi-turn chats, no sharing
               (--small runs on CPU)
     parallel  one GPU against two: tensor parallel (split) and data parallel (replicas)
+    spec      speculative decoding (n-gram) off and on: copy-heavy and free-running text, one
+              stream and batched (--small runs on CPU)
     fp8       FP8 weights against bf16/fp32: quality on SmolLM2 (any device, CPU is fine) and
               (--speed) tokens/s on CUDA
     serve     an OpenAI-compatible server under Poisson load (HTTP only: any server, any machine)
@@ -15,5 +17,5 @@
 What they share (timing, copy bandwidth, metadata, output files) is in common.py.
 """
 
-BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix", "parallel", "fp8")   # on a CUDA GPU
+BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix", "parallel", "fp8", "spec")   # on a CUDA GPU
 HTTP_BENCHMARKS = ("serve",)                             # a client of a server: no GPU here

@@ -254,7 +254,9 @@ def run_steps(rank: int, spec: WorldSpec, tensors: dict, group: ParallelGroup, f
     cfg = spec.engine_config
     model = build_model(rank, spec, tensors, group)
     kv = kv_cache_for(model, cfg)
-    runner = ModelRunner(model, kv, cfg.max_num_seqs, max_model_len(model, cfg, kv.num_blocks), cfg.cuda_graphs)
+    spec_rows = 1 + cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 1
+    runner = ModelRunner(model, kv, cfg.max_num_seqs, max_model_len(model, cfg, kv.num_blocks), cfg.cuda_graphs,
+                         spec_rows)
     steps = 0
     while (step := group.recv_step()) is not None:
         steps += 1

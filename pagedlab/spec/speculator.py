@@ -110,3 +110,15 @@ class Speculator:
                     extra = r.blocks[keep:]
                     del r.blocks[keep:]
                     sched.allocator.free(extra)
+
+
+def use(engine, speculator: Speculator | None) -> None:
+    """Speculation on (a Speculator) or off (None) on an idle engine; off, the overlap loop comes
+    back where the engine's config allows it."""
+    if engine.has_work():
+        raise RuntimeError("switch speculation only on an idle engine")
+    cfg = engine.config
+    engine.speculator = engine.scheduler.speculator = speculator
+    engine.overlap = (speculator is None and cfg.overlap and engine.runner.graphs is not None
+                      and not cfg.trace)
+    engine._step = engine._step_overlap if engine.overlap else engine._step_plain

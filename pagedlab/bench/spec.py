@@ -1,0 +1,200 @@
+"""`python -m pagedlab bench spec`: speculative decoding (n-gram prompt lookup) off and on, one engine.
+
+  copy : copy-heavy -- the model is asked to quote or lightly edit a given text (real weights: a
+         chat prompt with one of PASSAGES; random weights: the passage's token ids followed by its
+         first half, so a copy is what the proposer guesses)
+  free : free-running -- short stories on a topic (random weights: random prompts); little to copy
+
+Each workload runs as one stream (each prompt alone, one after the other) and batched (all
+prompts at once), with speculation off and on (greedy, at most --max-tokens new tokens, EOS ends a
+request as usual), after a warm-up pass of each. Reported per run: output tokens / wall time,
+engine steps, tokens per step, guesses proposed / kept, and whether the tokens equal the
+non-speculative run's. JSON + a markdown table in --out.
+
+--small: the tiny random model on CPU with few tokens (what the tests run).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedlab.bench.common import RANDOM_TOKEN_LIMIT, out_dir, write_json
+from pagedlab.sampling import SamplingParams
+
+PASSAGES = [
+    "A paged KV cache stores the keys and values of every sequence in fixed-size blocks. A block "
+    "table maps each sequence's logical blocks to physical ones, so sequences grow one block at a "
+    "time and memory is never reserved for tokens that may never come. When a request finishes, "
+    "its blocks go back to the pool and the next request can use them at once.",
+    "def moving_average(values, window):\n    total = 0.0\n    out = []\n    for i, v in "
+    "enumerate(values):\n        total += v\n        if i >= window:\n            total -= "
+    "values[i - window]\n        out.append(total / min(i + 1, window))\n    return out\n",
+    "The meeting is moved from Tuesday to Thursday at ten o'clock. Please bring the quarterly "
+    "report, the list of open questions from the last review, and the draft of the budget for "
+    "next year. Lunch will be served after the meeting in the small conference room.",
+    "Continuous batching refills a slot as soon as its request ends, instead of waiting for the "
+    "whole batch to finish. The scheduler admits new requests while blocks and token budget last, "
+    "and preempts the newest request when the pool runs out, so that older requests can finish.",
+]
+COPY_ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+             "Rewrite the following code with the variable `total` renamed to `running_sum`; change "
+             "nothing else:\n\n{}",
+             "Copy this message exactly as it is:\n\n{}",
+             "Quote the following paragraph exactly:\n\n{}"]
+TOPICS = ["a lighthouse keeper who finds a message in a bottle", "a robot learning to bake bread",
+          "a city where it never stops raining", "two friends lost on a mountain trail"]
+WORKLOADS = ("copy", "free")
+
+
+def prompts_for(name: str, tokenizer, real: bool, vocab: int, seed: int = 0):
+    """The workload's prompts: chat strings (real weights) or token ids (random weights)."""
+    if real:
+        if name == "copy":
+            return [COPY_ASKS[i].format(p) for i, p in enumerate(PASSAGES)]
+        return [f"Write a short story about {t}." for t in TOPICS]
+    g = torch.Generator().manual_seed(seed)
+    if name == "copy":
+        out = []
+        for p in PASSAGES:
+            ids = tokenizer.encode(p) if tokenizer is not None else \
+                torch.randint(3, vocab, (96,), generator=g).tolist()
+            out.append(ids + ids[:len(ids) // 2])
+        return out
+    return [torch.randint(3, vocab, (64,), generator=g).tolist() for _ in TOPICS]
+
+
+def set_speculation(llm, speculator) -> None:
+    """Speculation on (a Speculator) or off (None) on an idle engine (spec/speculator.py use)."""
+    from pagedlab.spec.speculator import use
+    use(llm.engine, speculator)
+
+
+def _sync(llm):
+    if llm.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_once(llm, prompts, params, real: bool, batched: bool):
+    """Outputs and wall seconds: all prompts at once, or one after the other."""
+    _sync(llm)
+    t0 = time.perf_counter()
+    if batched:
+        outs = llm.generate(prompts, params, chat=real)
+    else:
+        outs = [llm.generate([p], params, chat=real)[0] for p in prompts]
+    _sync(llm)
+    return outs, time.perf_counter() - t0
+
+
+def measure(llm, speculator, prompts, params, real, batched) -> dict:
+    set_speculation(llm, speculator)
+    eng = llm.engine
+    eng.reset_timing()
+    outs, wall = run_once(llm, prompts, params, real, batched)
+    n = sum(len(o.token_ids) for o in outs)
+    proposed = sum(o.num_spec_proposed for o in outs)
+    accepted = sum(o.num_spec_accepted for o in outs)
+    steps = eng.timing["steps"]
+    return dict(tokens=n, wall_s=wall, tokens_per_s=n / wall, steps=steps,
+                # each step a request runs emits 1 + the guesses it keeps
+                tokens_per_request_step=n / max(1, n - accepted),
+                proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else 0.0,
+                host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
+                token_ids=[o.token_ids for o in outs])
+
+
+def table(results: dict) -> list[str]:
+    lines = ["| workload | mode | spec | tokens/s | speed-up | steps | tokens/step/request | kept / proposed "
+             "| same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, r in results["runs"].items():
+        for m in ("off", "on"):
+            x = r[m]
+            lines.append(f"| {r['workload']} | {r['mode']} | {m} | {x['tokens_per_s']:,.0f} | "
+                         f"{(x['tokens_per_s'] / r['off']['tokens_per_s']):.2f}x | {x['steps']} | "
+                         f"{x['tokens_per_request_step']:.2f} | {x['accepted']} / {x['proposed']} | "
+                         f"{r['same_tokens']:.0%} |")
+    return lines
+
+
+def main(argv=None) -> None:
+    run(argv)
+
+
+def run(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m pagedlab bench spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="smollm2 (default on CUDA), random:llama-3.2-1b, ... "
+                                                 "(--small: random:tiny)")
+    p.add_argument("--small", action="store_true", help="tiny random model, few tokens (CPU is fine)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default 4)")
+    p.add_argument("--ngram", type=int, default=4, help="prompt_lookup_max (default 4)")
+    p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 256; --small 24)")
+    p.add_argument("--copies", type=int, default=4, help="batched: each prompt this many times (default 4)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of copy, free")
+    p.add_argument("--no-adaptive", action="store_true", help="fixed k (no back-off)")
+    p.add_argument("--out", default="figures", help="where spec_bench.json/.md go")
+    args = p.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not args.small and not cuda:
+        raise SystemExit("bench spec needs a CUDA GPU (or --small, which runs on CPU)")
+    from pagedlab.llm import LLM
+    from pagedlab.spec import make_proposer
+    from pagedlab.spec.config import SpeculativeConfig
+    from pagedlab.spec.speculator import Speculator
+
+    model = args.model or ("random:tiny" if args.small else "smollm2")
+    real = not model.startswith("random:")
+    dtype = "bfloat16" if cuda and not args.small else "float32"
+    max_tokens = args.max_tokens or (24 if args.small else 256)
+    slots = len(PASSAGES) * args.copies
+    sc = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k, prompt_lookup_max=args.ngram,
+                           adaptive=not args.no_adaptive)
+    llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
+              speculative_config=sc)
+    spec = llm.engine.speculator
+    tok = llm.get_tokenizer() if real or model == "random:llama-3.2-1b" else None
+    vocab = min(llm.engine.model.config.vocab_size, RANDOM_TOKEN_LIMIT)
+    results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
+                   device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
+                   max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None, runs={})
+    try:
+        from pagedlab.bench.common import metadata
+        results["metadata"] = metadata("python -m pagedlab bench spec", argv)
+    except Exception as e:          # (no triton on this machine): the run is still worth keeping
+        results["metadata"] = {"error": f"{type(e).__name__}: {e}"}
+    params = SamplingParams(max_tokens=max_tokens)
+    for name in [w for w in args.workloads.split(",") if w]:
+        prompts = prompts_for(name, tok, real, vocab)
+        for mode in ("one_stream", "batched"):
+            batched = mode == "batched"
+            ps = prompts * args.copies if batched else prompts
+            for s in (None, spec):                       # warm-up: compile, capture, fill caches
+                set_speculation(llm, s)
+                run_once(llm, ps[:len(prompts)], SamplingParams(max_tokens=min(16, max_tokens)), real, batched)
+            r = dict(workload=name, mode=mode, requests=len(ps))
+            for m, s in (("off", None), ("on", spec)):
+                r[m] = measure(llm, s, ps, params, real, batched)
+            a, b = r["off"].pop("token_ids"), r["on"].pop("token_ids")
+            r["same_tokens"] = sum(x == y for x, y in zip(a, b)) / len(a)
+            r["first_difference"] = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                                     for x, y in zip(a, b) if x != y]
+            r["speedup"] = r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"]
+            results["runs"][f"{name}/{mode}"] = r
+            print(f"{name} {mode}: off {r['off']['tokens_per_s']:,.0f} tok/s, on {r['on']['tokens_per_s']:,.0f} "
+                  f"tok/s ({r['speedup']:.2f}x), kept {r['on']['accepted']}/{r['on']['proposed']}, "
+                  f"same tokens {r['same_tokens']:.0%}", flush=True)
+    set_speculation(llm, spec)
+    out = out_dir(args.out)
+    stem = "spec_bench" + ("" if real or args.small else "_random")
+    write_json(out / f"{stem}.json", results)
+    lines = [f"model: {model} ({dtype}) on {results['device']}; k={args.k}, prompt_lookup_max={args.ngram}, "
+             f"max_tokens={max_tokens}", ""] + table(results)
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()
