@@ -32,8 +32,10 @@ def can_speculate(req) -> bool:
 
 
 class Speculator:
-    def __init__(self, proposer, k_max: int, adaptive: bool = True):
-        self.proposer, self.k_max = proposer, k_max
+    def __init__(self, proposer, k_max: int, adaptive: bool = True, accept=accept_greedy, on_verify=None):
+        """accept: the rule (drafts, targets) -> emitted tokens (the chapter plugs the learner's in);
+        on_verify(request, guesses, emitted): called after each verify (to watch it work)."""
+        self.proposer, self.k_max, self.accept, self.on_verify = proposer, k_max, accept, on_verify
         self.adaptive = AdaptiveK(k_max) if adaptive else None
         self.num_proposed = self.num_accepted = self.num_verify_steps = 0
 
@@ -85,7 +87,7 @@ class Speculator:
             if not guesses:
                 continue
             r.spec_token_ids = []
-            out = accept_greedy(guesses, targets)
+            out = list(self.accept(guesses, targets))
             self.num_verify_steps += 1
             if self.adaptive is not None:
                 self.adaptive.update(r, len(guesses), len(out) - 1)
@@ -100,6 +102,8 @@ class Speculator:
                     if reason:
                         sched.finish(r, reason)
                         break
+            if self.on_verify is not None:
+                self.on_verify(r, guesses, out[:1 + kept])
             r.num_spec_proposed += len(guesses)
             r.num_spec_accepted += kept
             self.num_proposed += len(guesses)
