@@ -374,12 +374,12 @@ class Scheduler:
     def accept(self, batch: Batch, tokens: list[int]) -> None:
         """After the step ran: append each new token, stop, finish, free. (Speculating, `tokens`
         has a row per guess too: the speculator keeps what verifies, spec/speculator.py.)"""
-        spec = self.speculator is not None and any(r.spec_token_ids for r in batch.decode)
-        if spec:
+        rows = None
+        if self.speculator is not None and any(r.spec_token_ids for r in batch.decode):
             tokens, rows = self.speculator.rows(batch, tokens)
         self.advance(batch, tokens)
         self.settle(batch, tokens)
-        if spec:
+        if self.speculator is not None:
             self.speculator.settle(self, batch, rows)
 
     @atomic

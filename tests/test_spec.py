@@ -193,6 +193,33 @@ def test_bad_speculative_config_is_refused():
             EngineConfig(speculative_config=bad)
 
 
+# ----------------------------------------------------------------------------- draft model
+@pytest.mark.parametrize("draft", ["same", "random"])
+def test_draft_model(draft):
+    """A draft equal to the target keeps (almost) every guess; a random draft keeps almost none;
+    the output is the plain engine's either way (with preemption in a small pool)."""
+    from pagedlab import tiny_config
+    from pagedlab.weights import random_checkpoint
+    rnd = random.Random(11)
+    prompts = copy_prompts(rnd, 6)
+    kw = dict(dtype="float32", max_num_seqs=3, num_blocks=20, block_size=4, cuda_graphs="eager")
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = tiny_llm(**kw).generate(prompts, sp)
+    ckpt = random_checkpoint(tiny_config(), 0 if draft == "same" else 99)
+    llm = tiny_llm(speculative_config={"method": "draft", "model": ckpt, "num_speculative_tokens": 3,
+                                       "adaptive": False}, **kw)
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    proposed, kept = sum(o.num_spec_proposed for o in got), sum(o.num_spec_accepted for o in got)
+    assert proposed > 30
+    if draft == "same":
+        assert kept >= 0.95 * proposed, (kept, proposed)
+    else:
+        assert kept <= 0.1 * proposed, (kept, proposed)
+    prop = llm.engine.speculator.proposer
+    assert not prop.shadows and prop.allocator.num_used == 0     # every shadow's blocks went back
+
+
 # ----------------------------------------------------------------------------- rejection sampling
 def chi2_p(counts, probs):
     n = counts.sum()

@@ -47,4 +47,4 @@ def make_proposer(config: SpeculativeConfig, target_model=None, engine_config=No
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
     from .draft import DraftProposer
-    return DraftProposer(config.draft_model, target_model, engine_config)
+    return DraftProposer(config.model, target_model, engine_config)

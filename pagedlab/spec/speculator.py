@@ -45,6 +45,9 @@ class Speculator:
         (never preempting anyone for a guess)."""
         for r in sched.admitted:
             r.spec_token_ids = []
+        forget = getattr(self.proposer, "forget_except", None)
+        if forget is not None:                       # a draft model frees what left the slots
+            forget({r.request_id for r in sched.admitted})
         room_rows = sched.max_num_batched_tokens - len(step.decode)
         reqs, ks = [], []
         for r in step.decode:
@@ -79,10 +82,11 @@ class Speculator:
         return first, per_req
 
     @atomic
-    def settle(self, sched, batch, per_req: list[list[int]]) -> None:
-        """After the plain settle put each request's first token in: the kept guesses' tokens."""
+    def settle(self, sched, batch, per_req: list[list[int]] | None) -> None:
+        """After the plain settle put each request's first token in: the kept guesses' tokens
+        (per_req None: nobody guessed this step). Then a draft model forgets who left."""
         now, bs = time.perf_counter(), sched.block_size
-        for r, targets in zip(batch.sampled, per_req):
+        for r, targets in zip(batch.sampled, per_req or ()):
             guesses = r.spec_token_ids
             if not guesses:
                 continue
@@ -114,6 +118,9 @@ class Speculator:
                     extra = r.blocks[keep:]
                     del r.blocks[keep:]
                     sched.allocator.free(extra)
+        forget = getattr(self.proposer, "forget_except", None)
+        if forget is not None:
+            forget({r.request_id for r in sched.admitted})
 
 
 def use(engine, speculator: Speculator | None) -> None:

@@ -1,0 +1,140 @@
+"""method "draft": a smaller model with the same tokenizer guesses k tokens, greedily.
+
+The draft keeps its own paged KV cache (same block size, a pool of its own) and a shadow of each
+speculating request: the tokens it has seen, its blocks, how many of them it has computed. Each
+step, per request:
+
+    sync      the target's sequence now vs the tokens the draft computed: where they part (a
+              guess the target did not keep), the draft's num_computed falls back -- its K/V past
+              that point are simply overwritten, as in the target
+    catch up  one packed forward over the tokens the draft has not computed (a prefill chunk the
+              first time, usually the 1-2 tokens the target emitted since) -> guess 0
+    k - 1     decode steps -> guesses 1 .. k-1
+
+all requests together, through the draft's own ModelRunner (so its decode steps replay CUDA
+graphs). Guesses are argmaxes: one-token guesses, so the engine's accept rule is exact rejection
+sampling for sampled requests too (rejection.py). A draft equal to the target keeps every guess;
+a random one keeps almost none, and the output is the same either way.
+"""
+from __future__ import annotations
+
+from ..kv_cache import BlockAllocator, KVCache, blocks_needed
+from ..request import Request, RequestStatus
+from ..runner import ModelRunner
+from ..sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=2**31 - 1)
+
+
+class _Step:
+    """The part of a scheduler Batch the runner reads."""
+
+    def __init__(self, prefill, decode, table_edits):
+        self.prefill, self.decode, self.table_edits = prefill, decode, table_edits
+        self.sampled = prefill + decode
+        self.logprobs = None
+
+
+def load_draft(spec_model, target_model, engine_config):
+    """The draft model: a LlamaModel as given, or built from a Checkpoint or a name / path
+    (load_checkpoint) on the target's device and dtype, with the target's kernels' backend."""
+    from ..model import LlamaModel
+    if isinstance(spec_model, LlamaModel):
+        return spec_model
+    from ..llm import resolve_backend
+    from ..rank import build_model
+    from ..weights import Checkpoint, load_checkpoint
+    ckpt = spec_model.validate() if isinstance(spec_model, Checkpoint) else \
+        load_checkpoint(spec_model, show_progress=False)
+    backend = resolve_backend(engine_config.attention_backend, target_model.device)
+    return build_model(ckpt.config, ckpt.tensors, target_model.device, target_model.dtype, engine_config, backend)
+
+
+class DraftProposer:
+    method = "draft"
+
+    def __init__(self, spec_model, target_model, engine_config):
+        self.model = model = load_draft(spec_model, target_model, engine_config)
+        if model.config.vocab_size != target_model.config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({model.config.vocab_size}) "
+                             f"is not the target's ({target_model.config.vocab_size}): they must share a tokenizer")
+        cfg, k = engine_config, engine_config.speculative_config.num_speculative_tokens
+        max_len = min(cfg.max_model_len or target_model.config.max_position_embeddings,
+                      target_model.cos_sin.shape[0], model.cos_sin.shape[0])
+        per_seq = blocks_needed(max_len + k, cfg.block_size)
+        mc = model.config
+        self.kv = KVCache(mc.num_layers, cfg.max_num_seqs * per_seq, cfg.block_size,
+                          getattr(model, "num_kv_heads", mc.num_kv_heads), mc.head_dim, model.dtype, model.device)
+        self.allocator = BlockAllocator(self.kv.num_blocks)
+        self.runner = ModelRunner(model, self.kv, cfg.max_num_seqs, max_len + k, cfg.cuda_graphs)
+        self.block_size = cfg.block_size
+        self.shadows: dict[int, Request] = {}
+
+    # -- per-request shadows -------------------------------------------------------------
+    def _drop(self, rid: int) -> None:
+        s = self.shadows.pop(rid)
+        self.allocator.free(s.blocks)
+
+    def forget_except(self, live: set[int]) -> None:
+        """Free the shadows of requests that left their slot (finished, aborted, preempted)."""
+        for rid in [rid for rid in self.shadows if rid not in live]:
+            self._drop(rid)
+
+    def _shadow(self, r, edits) -> Request:
+        s = self.shadows.get(r.request_id)
+        if s is not None and s.slot != r.slot:
+            self._drop(r.request_id)
+            s = None
+        if s is None:
+            s = Request(r.request_id, [], GREEDY, seed=0)
+            s.slot, s.status = r.slot, RequestStatus.RUNNING
+            self.shadows[r.request_id] = s
+        tokens = r.all_token_ids
+        seen = s.prompt_token_ids
+        common = 0
+        for a, b in zip(seen, tokens):        # where the draft's tokens part from the target's
+            if a != b:
+                break
+            common += 1
+        s.num_computed = min(s.num_computed, common)
+        s.prompt_token_ids, s.output_token_ids = list(tokens), []
+        return s
+
+    def _grow(self, s: Request, num_tokens: int, edits) -> None:
+        need = blocks_needed(num_tokens, self.block_size) - len(s.blocks)
+        if need > 0:
+            for b in self.allocator.allocate(s.request_id, need):
+                edits.append((s.slot, len(s.blocks), b))
+                s.blocks.append(b)
+
+    # -- proposing -----------------------------------------------------------------------
+    def propose(self, requests, ks: list[int]) -> list[list[int]]:
+        out = [[] for _ in requests]
+        work = [(i, r, k) for i, (r, k) in enumerate(zip(requests, ks)) if k > 0]
+        if not work:
+            return out
+        edits, shadows = [], []
+        for i, r, k in work:
+            s = self._shadow(r, edits)
+            self._grow(s, s.num_tokens + k - 1, edits)
+            s.num_scheduled = s.num_tokens - s.num_computed
+            shadows.append((i, s, k))
+        # catch up: prefill chunks (and 1-token decodes) over what the draft has not computed
+        prefill = [s for _, s, _ in shadows if s.num_scheduled > 1]
+        decode = [s for _, s, _ in shadows if s.num_scheduled == 1]
+        step = _Step(prefill, decode, edits)
+        tokens = self.runner.run(step)
+        for s, t in zip(step.sampled, tokens):
+            s.num_computed = s.num_tokens
+            s.prompt_token_ids.append(t)          # the guess is the draft's next input
+        guesses = {s.request_id: [t] for s, t in zip(step.sampled, tokens)}
+        for j in range(1, max(k for _, _, k in shadows)):
+            decode = [s for _, s, k in shadows if k > j]
+            tokens = self.runner.run(_Step([], decode, []))
+            for s, t in zip(decode, tokens):
+                s.num_computed = s.num_tokens
+                s.prompt_token_ids.append(t)
+                guesses[s.request_id].append(t)
+        for i, s, _ in shadows:
+            out[i] = guesses[s.request_id]
+        return out
