@@ -126,8 +126,10 @@ class Speculator:
 def use(engine, speculator: Speculator | None) -> None:
     """Speculation on (a Speculator) or off (None) on an idle engine; off, the overlap loop comes
     back where the engine's config allows it."""
-    if engine.has_work():
+    if engine.scheduler.has_work():
         raise RuntimeError("switch speculation only on an idle engine")
+    while engine._unread:              # a step the overlap loop launched ahead: read it first
+        engine._read_oldest()
     cfg = engine.config
     engine.speculator = engine.scheduler.speculator = speculator
     engine.overlap = (speculator is None and cfg.overlap and engine.runner.graphs is not None
