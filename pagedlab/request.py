@@ -48,6 +48,7 @@ class Request:
     num_spec_accepted: int = 0                # of those, kept (emitted)
     spec_rate: float = 0.8                    # running acceptance rate (spec/accept.py AdaptiveK)
     spec_pause: int = 0                       # steps left without proposals
+    spec_gain: float = 3.0                    # running tokens per verify step (1 + kept)
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,9 @@ from pagedlab.spec import accept_greedy, emit, propose_ngram, rejection_sample
 from pagedlab.spec.ngram import propose_ngram_np
 
 VOCAB = 512
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# fixed k: the adaptive one weighs measured step times, which would make the counts below vary
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "adaptive": False}
 
 
 # ----------------------------------------------------------------------------- units
@@ -113,7 +115,7 @@ def run_stream(llm, prompts, params, seed, abort_at=()):
 
 @pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked"])
 def test_greedy_identity_on_random_streams(variant):
-    rnd = random.Random(hash(variant) % 1000)
+    rnd = random.Random(len(variant))
     prompts = copy_prompts(rnd, 10)
     prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
     kw = dict(dtype="float32", max_num_seqs=4, cuda_graphs=False)
@@ -129,7 +131,7 @@ def test_greedy_identity_on_random_streams(variant):
         kind = rnd.choice(["len", "stop", "long"])
         if kind == "stop":
             params.append(SamplingParams(max_tokens=30, ignore_eos=True,
-                                         stop_token_ids=[o.token_ids[rnd.randrange(3, 25)]]))
+                                         stop_token_ids=[o.token_ids[rnd.randrange(len(o.token_ids))]]))
         else:
             params.append(SamplingParams(max_tokens=rnd.randint(1, 30) if kind == "len" else 30, ignore_eos=True))
     want = run_stream(plain, prompts, params, seed=1)
@@ -141,7 +143,7 @@ def test_greedy_identity_on_random_streams(variant):
         else:
             assert (a.output_token_ids, a.finish_reason) == (b.output_token_ids, b.finish_reason), i
     s = spec.engine.speculator
-    assert s.num_accepted > 20 and s.num_proposed > s.num_accepted      # it guessed, kept some, lost some
+    assert s.num_accepted > 5 and s.num_proposed > s.num_accepted      # it guessed, kept some, lost some
     if variant == "preempt+prefix":
         assert sum(r.num_preemptions for r in got) > 0 and spec.engine.scheduler.allocator.prefix_hits > 0
 
@@ -182,6 +184,13 @@ def test_adaptive_k_backs_off():
         ak.update(r, k, 0)
     first_pause = ks.index(0)
     assert first_pause <= 5 and ks.count(0) >= 30 and max(ks[first_pause:]) <= 2, ks   # paused, short probes
+    # every guess kept, but a verify step costs 3x a plain one and emits 2 tokens: it does not pay
+    r2, ks = Request(1, [1], SamplingParams(), 0), []
+    for _ in range(20):
+        k = ak.k(r2, cost=3.0)
+        ks.append(k)
+        ak.update(r2, min(k, 1), min(k, 1), cost=3.0)
+    assert ks[0] > 0 and ks.count(0) >= 14, ks
 
 
 def test_bad_speculative_config_is_refused():

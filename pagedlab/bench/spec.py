@@ -101,6 +101,8 @@ def measure(llm, speculator, prompts, params, real, batched) -> dict:
                 # each step a request runs emits 1 + the guesses it keeps
                 tokens_per_request_step=n / max(1, n - accepted),
                 proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else 0.0,
+                step_ms=None if speculator is None else {("verify" if k else "plain"): v and v * 1e3
+                                                         for k, v in speculator.step_s.items()},
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
                 token_ids=[o.token_ids for o in outs])
 
@@ -134,13 +136,18 @@ def run(argv=None) -> dict:
     p.add_argument("--copies", type=int, default=4, help="batched: each prompt this many times (default 4)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of copy, free")
     p.add_argument("--no-adaptive", action="store_true", help="fixed k (no back-off)")
+    p.add_argument("--fuse-up-to", type=int, default=None, metavar="N",
+                   help="use the fused GEMV kernels for steps of up to N rows (kernels/gemv.py FUSE_UP_TO, "
+                        "at most 16): verify steps of one stream have k + 1 rows")
     p.add_argument("--out", default="figures", help="where spec_bench.json/.md go")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not args.small and not cuda:
         raise SystemExit("bench spec needs a CUDA GPU (or --small, which runs on CPU)")
     from pagedlab.llm import LLM
-    from pagedlab.spec import make_proposer
+    if args.fuse_up_to is not None:
+        from pagedlab.kernels import gemv
+        gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
     from pagedlab.spec.config import SpeculativeConfig
     from pagedlab.spec.speculator import Speculator
 
@@ -158,7 +165,8 @@ def run(argv=None) -> dict:
     vocab = min(llm.engine.model.config.vocab_size, RANDOM_TOKEN_LIMIT)
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
-                   max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None, runs={})
+                   max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
+                   fuse_up_to=__import__("pagedlab.kernels.gemv", fromlist=["x"]).FUSE_UP_TO, runs={})
     try:
         from pagedlab.bench.common import metadata
         results["metadata"] = metadata("python -m pagedlab bench spec", argv)

@@ -32,27 +32,30 @@ def emit(drafts: list[int], targets: list[int], stop_ids=(), budget: int | None 
 
 class AdaptiveK:
     """Acceptance drives k, per request. `rate` is a running mean of kept / proposed (starting
-    optimistic). Below `min_rate` guesses cost more rows than they save: the request stops
-    proposing for `pause` steps, then tries again from a neutral rate; above it, k shrinks with
-    the rate (expected run of kept guesses ~ rate / (1 - rate), plus one)."""
+    optimistic), `gain` one of the tokens a verify step emits (1 + kept). A verify step costs
+    more than a plain one -- `cost`, the ratio of their measured times (Speculator) -- so when
+    the gain does not beat the cost, or fewer than `min_rate` of the guesses are kept, the
+    request stops proposing for `pause` steps, then tries again. While it pays, k follows the
+    rate (expected run of kept guesses ~ rate / (1 - rate), plus one)."""
 
     def __init__(self, k_max: int, min_rate: float = 0.2, pause: int = 16, weight: float = 0.3):
         self.k_max, self.min_rate, self.pause, self.weight = k_max, min_rate, pause, weight
 
-    def k(self, req) -> int:
+    def k(self, req, cost: float = 1.0) -> int:
         if req.spec_pause > 0:
             req.spec_pause -= 1
-            if req.spec_pause == 0:
-                req.spec_rate = 0.5
+            if req.spec_pause == 0:                  # try again, from neutral
+                req.spec_rate, req.spec_gain = 0.5, cost + 0.5
             return 0
         r = req.spec_rate
         if r >= 0.8:
             return self.k_max
         return max(1, min(self.k_max, round(r / (1 - r)) + 1))
 
-    def update(self, req, proposed: int, accepted: int) -> None:
+    def update(self, req, proposed: int, accepted: int, cost: float = 1.0) -> None:
         if proposed <= 0:
             return
         req.spec_rate += self.weight * (accepted / proposed - req.spec_rate)
-        if req.spec_rate < self.min_rate:
+        req.spec_gain += self.weight * (1 + accepted - req.spec_gain)
+        if req.spec_rate < self.min_rate or req.spec_gain < cost:
             req.spec_pause = self.pause

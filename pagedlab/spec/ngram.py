@@ -30,16 +30,23 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int = 1) -> list
 
 
 def propose_ngram_np(tokens: np.ndarray, k: int, n_max: int, n_min: int = 1) -> list[int]:
-    """propose_ngram on an int array: each n's windows compared at once."""
+    """propose_ngram on an int array, in a few vector operations whatever the length: the
+    candidates are the earlier positions j holding the last token (a match would end there); the
+    match of length n ending at j also needs tokens[j - t] == tokens[L - 1 - t] for t < n, one
+    comparison over all candidates per t. The latest j of the longest n wins."""
     L = len(tokens)
-    if k <= 0:
+    n_top = min(n_max, L - 1)
+    if k <= 0 or n_top < n_min:
         return []
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)   # starts 0 .. L-1-n
-        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])       # j <= L - 2: never the suffix itself
+    ok = [np.ones(ends.shape[0], dtype=bool)]                    # ok[t]: matches for t + 1 tokens
+    for t in range(1, n_top):
+        ok.append(ok[-1] & (ends >= t) & (tokens[np.maximum(ends - t, 0)] == tokens[L - 1 - t]))
+    for n in range(n_top, n_min - 1, -1):
+        hits = ends[ok[n - 1]]
         if hits.size:
-            start = int(hits[-1])
-            return tokens[start + n:start + n + k].tolist()
+            j = int(hits[-1])
+            return tokens[j + 1:j + 1 + k].tolist()
     return []
 
 

@@ -38,11 +38,21 @@ class Speculator:
         self.proposer, self.k_max, self.accept, self.on_verify = proposer, k_max, accept, on_verify
         self.adaptive = AdaptiveK(k_max) if adaptive else None
         self.num_proposed = self.num_accepted = self.num_verify_steps = 0
+        # measured seconds of a decode-only step without guesses and with (running means): their
+        # ratio is what a verify costs, which the adaptive k weighs against what it gains
+        self.step_s = {False: None, True: None}
+        self._t0 = None
+
+    @property
+    def cost(self) -> float:
+        plain, verify = self.step_s[False], self.step_s[True]
+        return verify / plain if plain and verify else 1.0
 
     @atomic
     def plan(self, sched, step) -> None:
         """Guesses for this step's decodes, within the token budget and the blocks free now
         (never preempting anyone for a guess)."""
+        self._t0 = time.perf_counter()
         for r in sched.admitted:
             r.spec_token_ids = []
         forget = getattr(self.proposer, "forget_except", None)
@@ -54,7 +64,7 @@ class Speculator:
             if not can_speculate(r):
                 continue
             left = min(r.params.max_new_tokens - len(r.output_token_ids), sched.max_model_len - r.num_tokens)
-            k = min(self.adaptive.k(r) if self.adaptive else self.k_max, left - 1, room_rows)
+            k = min(self.adaptive.k(r, self.cost) if self.adaptive else self.k_max, left - 1, room_rows)
             if k > 0:
                 reqs.append(r)
                 ks.append(k)
@@ -86,6 +96,12 @@ class Speculator:
         """After the plain settle put each request's first token in: the kept guesses' tokens
         (per_req None: nobody guessed this step). Then a draft model forgets who left."""
         now, bs = time.perf_counter(), sched.block_size
+        if self._t0 is not None and not batch.prefill and batch.decode:     # time this decode step
+            key, dt = per_req is not None, now - self._t0
+            old = self.step_s[key]
+            self.step_s[key] = dt if old is None else old + 0.1 * (dt - old)
+        self._t0 = None
+        cost = self.cost
         for r, targets in zip(batch.sampled, per_req or ()):
             guesses = r.spec_token_ids
             if not guesses:
@@ -94,7 +110,7 @@ class Speculator:
             out = list(self.accept(guesses, targets))
             self.num_verify_steps += 1
             if self.adaptive is not None:
-                self.adaptive.update(r, len(guesses), len(out) - 1)
+                self.adaptive.update(r, len(guesses), len(out) - 1, cost)
             kept = 0
             if r.status is not RequestStatus.FINISHED:      # (it may have stopped at its first token)
                 for tok in out[1:]:
