@@ -170,6 +170,21 @@ def test_sampling_penalties_logprobs_stop_strings_identical():
     assert all(o.num_spec_proposed == 0 for o, p in zip(got, params) if p.has_penalties or p.logprobs is not None)
 
 
+def test_metrics_count_guesses():
+    """/metrics: pagedlab_spec_proposed_tokens / _accepted_tokens add up the finished requests'."""
+    pytest.importorskip("prometheus_client")
+    from pagedlab.server.metrics import ServerMetrics
+    llm = tiny_llm(dtype="float32", max_num_seqs=2, speculative_config=NGRAM)
+    outs = llm.generate(copy_prompts(random.Random(3), 3), SamplingParams(max_tokens=12, ignore_eos=True))
+    m = ServerMetrics(lambda: {})
+    for o in outs:
+        m.on_finish(o)
+    text = m.render().decode()
+    for name, n in (("proposed", sum(o.num_spec_proposed for o in outs)), ("accepted", sum(o.num_spec_accepted for o in outs))):
+        assert f"pagedlab_spec_{name}_tokens_total {float(n)}" in text
+    assert sum(o.num_spec_proposed for o in outs) > 0
+
+
 def test_adaptive_k_backs_off():
     """A request whose guesses are all wrong stops proposing (k = 0) for a while."""
     from pagedlab.spec import AdaptiveK
