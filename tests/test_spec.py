@@ -170,6 +170,28 @@ def test_sampling_penalties_logprobs_stop_strings_identical():
     assert all(o.num_spec_proposed == 0 for o, p in zip(got, params) if p.has_penalties or p.logprobs is not None)
 
 
+def test_a_failing_proposer_costs_only_its_guesses():
+    """A proposer that raises (every third call) wedges nothing: the output is the plain engine's."""
+    rnd = random.Random(4)
+    prompts = copy_prompts(rnd, 5)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = tiny_llm(dtype="float32", max_num_seqs=3).generate(prompts, sp)
+    llm = tiny_llm(dtype="float32", max_num_seqs=3, speculative_config=NGRAM)
+    spec, calls = llm.engine.speculator, [0]
+    good = spec.proposer.propose
+
+    def flaky(reqs, ks):
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("proposer broke")
+        return good(reqs, ks)
+    spec.proposer.propose = flaky
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.num_proposer_errors > 0 and "proposer broke" in spec.last_proposer_error
+    assert spec.num_accepted > 0 and llm.engine.scheduler.allocator.num_used == 0
+
+
 def test_metrics_count_guesses():
     """/metrics: pagedlab_spec_proposed_tokens / _accepted_tokens add up the finished requests'."""
     pytest.importorskip("prometheus_client")

@@ -75,6 +75,11 @@ class DraftProposer:
         s = self.shadows.pop(rid)
         self.allocator.free(s.blocks)
 
+    def reset(self) -> None:
+        """Forget every shadow (after a failed proposal: their state is not known)."""
+        for rid in list(self.shadows):
+            self._drop(rid)
+
     def forget_except(self, live: set[int]) -> None:
         """Free the shadows of requests that left their slot (finished, aborted, preempted)."""
         for rid in [rid for rid in self.shadows if rid not in live]:

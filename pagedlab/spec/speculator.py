@@ -38,6 +38,7 @@ class Speculator:
         self.proposer, self.k_max, self.accept, self.on_verify = proposer, k_max, accept, on_verify
         self.adaptive = AdaptiveK(k_max) if adaptive else None
         self.num_proposed = self.num_accepted = self.num_verify_steps = 0
+        self.num_proposer_errors, self.last_proposer_error = 0, None
         # measured seconds of a decode-only step without guesses and with (running means): their
         # ratio is what a verify costs, which the adaptive k weighs against what it gains
         self.step_s = {False: None, True: None}
@@ -72,7 +73,16 @@ class Speculator:
         if not reqs:
             return
         bs = sched.block_size
-        for r, guesses in zip(reqs, self.proposer.propose(reqs, ks)):
+        try:
+            proposals = self.proposer.propose(reqs, ks)
+        except Exception as e:              # guesses are optional: a proposer that fails costs them only
+            self.num_proposer_errors += 1
+            self.last_proposer_error = f"{type(e).__name__}: {e}"
+            reset = getattr(self.proposer, "reset", None)
+            if reset is not None:
+                reset()
+            return
+        for r, guesses in zip(reqs, proposals):
             if not guesses:
                 continue
             n = r.num_tokens
