@@ -102,6 +102,8 @@ class ModelRunner:
         # called with each batch once its device work is queued, before anything waits for it:
         # host work that needs no result of the step runs there while the device computes
         self.while_running = None
+        # requests may bring guesses (spec/): only then are decode rows looked at for them
+        self.speculative = rows_per_seq > 1
 
     def run(self, batch) -> list[int]:
         """Run a step to its end: the sampled tokens, on the host, in batch.sampled order."""
@@ -113,7 +115,9 @@ class ModelRunner:
 
     def replays(self, batch) -> bool:
         """Is this step a CUDA-graph replay (decode only, a captured size)?"""
-        rows = len(batch.decode) + sum(len(r.spec_token_ids) for r in batch.decode)
+        rows = len(batch.decode)
+        if self.speculative:
+            rows += sum(len(r.spec_token_ids) for r in batch.decode)
         return self.graphs is not None and not batch.prefill and self.graphs.batch_size(rows) is not None
 
     def launch(self, batch, after: Launch | None = None) -> Launch:
@@ -123,7 +127,7 @@ class ModelRunner:
         if after is not None and after is not prev:
             raise RuntimeError("launch(after=...) must name the latest launch")
         reqs, offsets = batch.sampled, None
-        if any(r.spec_token_ids for r in batch.decode):     # speculative: a row per guess too
+        if self.speculative and any(r.spec_token_ids for r in batch.decode):   # a row per guess too
             reqs, offsets = verify_rows(reqs)
         if self.replays(batch):
             step = StepInputs("replay", batch.table_edits,
@@ -174,7 +178,7 @@ class ModelRunner:
             p_lens.append(end)
             if end == r.num_tokens:
                 logit_rows.append(cu[-1] - 1)
-        if any(r.spec_token_ids for r in batch.decode):
+        if self.speculative and any(r.spec_token_ids for r in batch.decode):
             d_lens, d_slots = [], []
             for r in batch.decode:              # verify: the last token, then each guess, one row each
                 n, m = r.num_tokens, len(r.spec_token_ids)
@@ -217,7 +221,7 @@ class ModelRunner:
     def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
         """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
         step before whose (not yet read) token is this request's input, or -1."""
-        if any(r.spec_token_ids for r in reqs):
+        if self.speculative and any(r.spec_token_ids for r in reqs):
             rows = []
             for r in reqs:                      # verify rows (no overlap loop while speculating)
                 n, m = r.num_tokens, len(r.spec_token_ids)

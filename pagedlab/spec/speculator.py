@@ -158,6 +158,9 @@ def use(engine, speculator: Speculator | None) -> None:
         engine._read_oldest()
     cfg = engine.config
     engine.speculator = engine.scheduler.speculator = speculator
+    if speculator is not None:
+        engine.runner.speculative = True     # (graphs were captured for 1 + k rows per sequence
+                                             # only if the engine was built with speculative_config)
     engine.overlap = (speculator is None and cfg.overlap and engine.runner.graphs is not None
                       and not cfg.trace)
     engine._step = engine._step_overlap if engine.overlap else engine._step_plain
