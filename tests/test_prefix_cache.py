@@ -145,6 +145,29 @@ def test_allocator_against_a_model():
         alloc.free([alloc.free_blocks[0] if alloc.free_blocks else next(iter(alloc.cached))])
 
 
+def test_on_by_default_at_every_door_and_off_on_request():
+    """LLM / EngineConfig: on unless turned off; a plugged allocator (no sharing API wrapped in
+    PluggedAllocator) turns it off unless asked for; vLLM's name does the same."""
+    from pagedlab.plugged_allocator import PluggedAllocator
+    assert tiny_llm().engine.scheduler.prefix_caching is True
+    assert tiny_llm(prefix_caching=False).engine.scheduler.prefix_caching is False
+    assert tiny_llm(enable_prefix_caching=False).engine.scheduler.prefix_caching is False
+    plugged = tiny_llm(allocator=BlockAllocator)
+    assert plugged.engine.scheduler.prefix_caching is False
+    assert isinstance(plugged.engine.scheduler.allocator, PluggedAllocator)
+    asked = tiny_llm(allocator=BlockAllocator, prefix_caching=True).engine.scheduler
+    assert asked.prefix_caching is True and isinstance(asked.allocator, BlockAllocator)
+    # with nothing shared, caching on and off give the same tokens and every block back
+    prompts = [[random.Random(i).randrange(3, VOCAB) for _ in range(9 + 5 * i)] for i in range(4)]
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    on, off = tiny_llm(block_size=4), tiny_llm(block_size=4, prefix_caching=False)
+    a, b = on.generate(prompts, sp), off.generate(prompts, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(o.num_cached_tokens == 0 for o in a)
+    assert len(on.engine.scheduler.allocator.prefix_cache) > 0             # named, for later requests
+    assert on.engine.scheduler.allocator.num_free == on.engine.scheduler.allocator.num_blocks
+
+
 def test_config_validates_prefix_caching():
     assert EngineConfig().prefix_caching is True                 # on by default, as in vLLM
     assert EngineConfig(prefix_caching=False).prefix_caching is False
