@@ -39,6 +39,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .kernels.row_buckets import linear_rows
+
 QUANTIZATIONS = ("fp8",)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                      # torch.finfo(torch.float8_e4m3fn).max
@@ -199,7 +201,7 @@ def linear(x: torch.Tensor, w, residual: torch.Tensor | None = None) -> torch.Te
     """x @ w^T (+ residual) for a plain weight tensor or an FP8Weight."""
     if isinstance(w, FP8Weight):
         return fp8_linear(x, w, residual, _ACTIVATIONS[-1])
-    return F.linear(x, w) if residual is None else torch.addmm(residual, x, w.t())
+    return linear_rows(x, w, residual)        # on CUDA at a few row counts (row_buckets.py says why)
 
 
 def check_quantization(quantization, device) -> None:
