@@ -239,6 +239,30 @@ def test_bad_speculative_config_is_refused():
             EngineConfig(speculative_config=bad)
 
 
+def test_ctrl_c_anywhere_while_speculating():
+    """Real SIGINTs aimed at sites of the bookkeeping -- the speculator's included -- during a
+    randomized copy-heavy stream (test_interrupts' machinery): after each, every request and
+    block is accounted for; the outputs equal the plain engine's; the engine runs on."""
+    import os
+    import test_interrupts as ti
+    from helpers import interrupts_in_finalizers_dropped
+    from pagedlab.spec import speculator
+    rnd = random.Random(8)
+    prompts = copy_prompts(rnd, 8)
+    params = [SamplingParams(max_tokens=rnd.randint(4, 16), ignore_eos=True) for _ in prompts]
+    stream = (prompts, params, [rnd.randint(0, 6) for _ in prompts])
+    want = ti.outputs(ti.run_stream(ti.engine_for("plain+prefix"), stream, ti.plain_step))
+    eng = ti.engine_for("plain+prefix", speculative_config=NGRAM)
+    spec_file = os.path.abspath(speculator.__file__)
+    hook = ti.SignalAt(ti.BOOKKEEPING | {spec_file})
+    sweep, everyone = ti.SiteSweep(hook, seed=2), []
+    with interrupts_in_finalizers_dropped():
+        assert ti.outputs(ti.run_stream(eng, stream, sweep, everyone)) == want
+    assert ti.outputs(ti.run_stream(eng, stream, ti.plain_step, everyone)) == want
+    assert sweep.interrupts > 0 and any(f == spec_file for f, _, _, _ in hook.fired)
+    assert eng.speculator.num_accepted > 0
+
+
 # ----------------------------------------------------------------------------- draft model
 @pytest.mark.parametrize("draft", ["same", "random"])
 def test_draft_model(draft):
