@@ -148,7 +148,7 @@ class Engine:
             from .spec.speculator import Speculator
             sc = cfg.speculative_config
             self.speculator = self.scheduler.speculator = Speculator(
-                make_proposer(sc, model, cfg), sc.num_speculative_tokens, sc.adaptive)
+                make_proposer(sc, model, cfg, self.max_model_len, num_blocks), sc.num_speculative_tokens, sc.adaptive)
         self.trace = Trace(cfg.max_num_seqs, cfg.block_size, num_blocks,
                            max_steps=cfg.max_trace_steps) if cfg.trace else None
         self._traced_endings = weakref.WeakSet()    # finished requests a trace record has named

@@ -42,9 +42,11 @@ __all__ = ["AdaptiveK", "NgramProposer", "SpeculativeConfig", "accept_greedy", "
            "propose_ngram", "rejection_sample", "make_proposer"]
 
 
-def make_proposer(config: SpeculativeConfig, target_model=None, engine_config=None):
-    """The proposer a SpeculativeConfig names."""
+def make_proposer(config: SpeculativeConfig, target_model=None, engine_config=None, max_model_len=None,
+                  num_blocks=None):
+    """The proposer a SpeculativeConfig names (a draft model's pool: as many tokens as the
+    target's `num_blocks`, sequences up to the target's `max_model_len`)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
     from .draft import DraftProposer
-    return DraftProposer(config.model, target_model, engine_config)
+    return DraftProposer(config.model, target_model, engine_config, max_model_len, num_blocks)

@@ -15,6 +15,11 @@ all requests together, through the draft's own ModelRunner (so its decode steps 
 graphs). Guesses are argmaxes: one-token guesses, so the engine's accept rule is exact rejection
 sampling for sampled requests too (rejection.py). A draft equal to the target keeps every guess;
 a random one keeps almost none, and the output is the same either way.
+
+Its pool holds as many blocks as the target's (plus every slot's guesses). Requests that share
+prefix-cached blocks in the target hold them each in the draft: when that runs the draft's pool
+out, the proposal fails, the draft forgets its shadows and that step has no guesses
+(speculator.py: a failing proposer costs only its guesses).
 """
 from __future__ import annotations
 
@@ -53,17 +58,21 @@ def load_draft(spec_model, target_model, engine_config):
 class DraftProposer:
     method = "draft"
 
-    def __init__(self, spec_model, target_model, engine_config):
+    def __init__(self, spec_model, target_model, engine_config, max_model_len=None, num_blocks=None):
+        """max_model_len / num_blocks: the target engine's (the draft holds the same sequences:
+        its pool gets as many blocks, plus room for every slot's guesses)."""
         self.model = model = load_draft(spec_model, target_model, engine_config)
         if model.config.vocab_size != target_model.config.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({model.config.vocab_size}) "
                              f"is not the target's ({target_model.config.vocab_size}): they must share a tokenizer")
         cfg, k = engine_config, engine_config.speculative_config.num_speculative_tokens
-        max_len = min(cfg.max_model_len or target_model.config.max_position_embeddings,
-                      target_model.cos_sin.shape[0], model.cos_sin.shape[0])
+        max_len = min(max_model_len or cfg.max_model_len or target_model.config.max_position_embeddings,
+                      target_model.cos_sin.shape[0], model.cos_sin.shape[0] - k)
         per_seq = blocks_needed(max_len + k, cfg.block_size)
+        pool = cfg.max_num_seqs * per_seq if num_blocks is None else \
+            min(cfg.max_num_seqs * per_seq, num_blocks + cfg.max_num_seqs * blocks_needed(k + 1, cfg.block_size))
         mc = model.config
-        self.kv = KVCache(mc.num_layers, cfg.max_num_seqs * per_seq, cfg.block_size,
+        self.kv = KVCache(mc.num_layers, pool, cfg.block_size,
                           getattr(model, "num_kv_heads", mc.num_kv_heads), mc.head_dim, model.dtype, model.device)
         self.allocator = BlockAllocator(self.kv.num_blocks)
         self.runner = ModelRunner(model, self.kv, cfg.max_num_seqs, max_len + k, cfg.cuda_graphs)
