@@ -3,7 +3,8 @@
 e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt)
 eng = e.engine
 early = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-late, step, rest, res = [], 0, list(zip(prompts[4:], params[4:])), {}
+late, step, res = [], 0, {}
+rest = list(zip(prompts[4:], params[4:])) if GPU else list(zip(prompts[4:7], params[4:7]))   # a CPU: 3 late ones
 while eng.has_work() or rest:
     if rest and step % 5 == 0:
         late.append(eng.add_request(*rest.pop(0)))

@@ -30,9 +30,9 @@ def run_async(coro):
 # 1. Bursty or regular: the same jobs at the same average rate. Poisson arrivals come in clumps:
 #    a clump finds the slots full and waits, while an even schedule hands each request a slot that
 #    the one before it has just freed. Same mean load, longer tail.
-#    (All LOAD_REQUESTS jobs with the tiny model; 5 with a real model on a CPU, to keep it short.
+#    (All LOAD_REQUESTS jobs with the tiny model; 4 with a real model on a CPU, to keep it short.
 #    With so few requests the percentiles are noisy: run it a few times, or with more jobs.)
-rate, few = 0.8 * CAPACITY, jobs if SMALL else jobs[:5]
+rate, few = 0.8 * CAPACITY, jobs if SMALL else jobs[:4]
 for how, times in (("Poisson", None), ("regular", [i / rate for i in range(len(few))])):
     got = run_async(fire(few, rate, time.perf_counter(), seed=1, times=times))
     ttft = pcts(r.ttft_s for _, r in got if r.ok)
