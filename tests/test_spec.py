@@ -230,6 +230,19 @@ def test_adaptive_k_backs_off():
     assert ks[0] > 0 and ks.count(0) >= 14, ks
 
 
+def test_cli_flag(capsys):
+    """--speculative-config: vLLM's JSON; bad JSON or a bad key is refused in one line."""
+    from pagedlab.__main__ import main
+    base = ["generate", "--model", "random:tiny", "--device", "cpu", "--max-tokens", "6"]
+    for bad, word in (("{bad", "must be JSON"), ('{"method": "eagle"}', "method")):
+        with pytest.raises(SystemExit):
+            main(base + ["--speculative-config", bad, "hi"])
+        assert word in capsys.readouterr().err
+    assert main(base + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                        "a b a b a b"]) in (0, None)
+    assert "stopped at 6 tokens" in capsys.readouterr().err
+
+
 def test_bad_speculative_config_is_refused():
     from pagedlab.config import ConfigError, EngineConfig
     for bad, word in (({"method": "medusa"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
