@@ -162,6 +162,7 @@ class Engine:
         self.overlap = (cfg.overlap and self.runner.graphs is not None and not cfg.trace
                         and self.speculator is None)
         self._step = self._step_overlap if self.overlap else self._step_plain
+        self.last_batch: Batch | None = None       # what the last step ran (prompt tokens or not: /metrics)
         self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
         self.num_overlapped = 0         # steps launched before the previous one was read
 
@@ -231,7 +232,7 @@ class Engine:
         so a driver that must never lose one (Ctrl-C may stop it anywhere) passes it."""
         t_start = time.perf_counter()
         with deferred():
-            batch = self._step()
+            batch = self.last_batch = self._step()
             self.timer.totals["steps"] += 1
             if self.trace is not None and (not batch.empty or self.scheduler.finished):
                 self.trace.append(self._record(batch, self.scheduler.finished, t_start))

@@ -29,6 +29,8 @@ class EngineCore:
         self.ended = StepOutput()             # endings not handed out yet (aborted between steps)
         self.unhanded: list = []              # finished requests taken from the engine, not handed out
         self.num_steps, self.step_seconds, self.step_sequences = 0, 0.0, 0   # since start (/metrics)
+        # of those, the steps with prompt tokens in them (eager: CUDA graphs hold decode-only steps)
+        self.prompt_steps, self.prompt_step_seconds = 0, 0.0
         self.last_step_s = 0.0
         self.timing = {"idle_s": 0.0, "inbox_s": 0.0, "handout_s": 0.0}   # a core process's loop
 
@@ -68,6 +70,9 @@ class EngineCore:
         self.last_step_s = time.perf_counter() - t0
         self.step_seconds += self.last_step_s
         self.num_steps += 1
+        if eng.last_batch is not None and eng.last_batch.prefill:
+            self.prompt_steps += 1
+            self.prompt_step_seconds += self.last_step_s
         with deferred():
             return self._hand_out()
 
@@ -119,6 +124,7 @@ class EngineCore:
         alloc = sched.allocator
         s = dict(running=len(sched.admitted), waiting=len(sched.waiting), kv_used=alloc.num_used,
                  kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
+                 prompt_steps=self.prompt_steps, prompt_step_seconds=self.prompt_step_seconds,
                  step_sequences=self.step_sequences, t=time.perf_counter(),
                  **{f"core_{k}": v for k, v in self.timing.items()})
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):

@@ -66,6 +66,10 @@ def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
         assert math.isclose(r["request_throughput"], 7 / r["duration_s"])
         assert math.isclose(r["output_throughput"], want_tokens / r["duration_s"])
         assert 0 <= r["goodput"] <= r["request_throughput"] and 0 <= r["goodput_fraction"] <= 1
+        # the core's steps, split: each of the 7 prompts (12 tokens, no chunking) is prefilled in a
+        # step of its own or shares one; the rest are decode-only steps
+        assert 1 <= r["prompt_steps"] <= 7 and r["decode_steps"] >= 1, r
+        assert r["prompt_step_ms"] > 0 and r["decode_step_ms"] > 0
     # the server counted what the client counted (+ the warm-up request)
     assert generated_tokens(server) - tokens_before == 2 * want_tokens + jobs[0].output_len
     assert "inf" in out and "goodput" in out
@@ -145,3 +149,23 @@ def test_a_stream_that_ends_after_its_finish_reason_counts(done_line, ok):
     assert r.ok == ok and r.error is None and r.output_tokens == 3 and len(r.itl_s) == 2
     cut = asyncio.run(run(texts[:2], False))             # closed mid-answer: a failure, and said so
     assert not cut.ok and "[DONE]" in cut.error
+
+
+def test_serve_and_offline_in_one_command(tmp_path, capsys):
+    """--serve starts `python -m pagedlab serve ARGS` (engine core process), --offline runs the same
+    requests through LLM.generate in a fresh process: served/offline is that ratio, the offline
+    passes count the same tokens, and both split their steps into prompt and decode-only steps."""
+    argv = ["--serve", "--model random:tiny --device cpu --slots 4 --max-model-len 256", "--offline",
+            "--rate", "inf", "--num-prompts", "6", "--input-len", "10", "--output-len", "5",
+            "--range-ratio", "0.5", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+    out = run(argv, capsys)
+    data = json.loads((tmp_path / "serve_bench.json").read_text())
+    [r] = data["results"]
+    off = data["offline"]
+    want = sum(j.output_len for j in bench.make_workload(bench.build_parser().parse_args(argv)))
+    assert r["completed"] == 6 and r["total_output_tokens"] == want
+    assert off["total_output_tokens"] == off["first_pass"]["total_output_tokens"] == want
+    assert math.isclose(r["served_over_offline"], r["output_throughput"] / off["output_throughput"])
+    for x in (r, off, off["first_pass"]):
+        assert 1 <= x["prompt_steps"] <= 6 and x["decode_steps"] >= 1, x
+    assert "served/offline" in out and "decode-only" in out

@@ -286,7 +286,8 @@ def engine_counters(url: str) -> dict | None:
     except httpx.HTTPError:
         return None
     vals = {}
-    names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "core_idle_seconds",
+    names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
+             "engine_prompt_step_seconds", "core_idle_seconds",
              "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds")
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -296,14 +297,36 @@ def engine_counters(url: str) -> dict | None:
 
 
 def engine_step(before: dict | None, after: dict | None) -> dict:
-    """The engine's mean step time and batch over a run, from its counters (pagedlab only)."""
+    """The engine's mean step time and batch over a run, from its counters (pagedlab only), and
+    the steps with prompt tokens in them (eager) apart from the decode-only ones (CUDA graphs)."""
     if not before or not after or after["engine_steps"] <= before["engine_steps"]:
         return {"engine_step_ms": None, "engine_batch": None}
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     n = d.pop("engine_steps")
-    return {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
-            "engine_batch": d["engine_step_sequences"] / n,
-            "seconds": {k: v for k, v in d.items() if k.endswith("seconds")}}
+    out = {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
+           "engine_batch": d["engine_step_sequences"] / n,
+           "seconds": {k: v for k, v in d.items() if k.endswith("seconds")}}
+    return out | step_kinds(n, d["engine_step_seconds"], d.get("engine_prompt_steps"),
+                            d.get("engine_prompt_step_seconds"))
+
+
+def kinds_text(r: dict) -> str:
+    if r.get("prompt_steps") is None:
+        return ""
+    f = lambda x: "-" if x is None else f"{x:.1f}"                     # noqa: E731
+    return (f"; {r['prompt_steps']} steps with prompt tokens at {f(r['prompt_step_ms'])} ms, "
+            f"{r['decode_steps']} decode-only at {f(r['decode_step_ms'])} ms")
+
+
+def step_kinds(steps, seconds, prompt_steps, prompt_seconds) -> dict:
+    """Steps with prompt tokens (eager) and decode-only steps: how many, mean ms of each."""
+    if prompt_steps is None:
+        return {}
+    decode = steps - prompt_steps
+    return {"prompt_steps": int(prompt_steps),
+            "prompt_step_ms": 1e3 * prompt_seconds / prompt_steps if prompt_steps else None,
+            "decode_steps": int(decode),
+            "decode_step_ms": 1e3 * (seconds - prompt_seconds) / decode if decode else None}
 
 
 async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> dict:
@@ -505,7 +528,10 @@ def main(argv=None) -> int:
     for r in results:
         if r.get("seconds"):
             print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
-                  + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()))
+                  + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()
+                              if k != "engine_prompt_step_seconds") + kinds_text(r))
+    if offline:
+        print("offline second pass:" + kinds_text(offline))
     if offline:
         print(f"offline (LLM.generate, the same {len(jobs)} requests at once, second pass): "
               f"{offline['output_throughput']:.1f} tok/s, TTFT p99 {offline['ttft_ms']['p99']:.1f} ms "
@@ -626,13 +652,18 @@ def offline_worker(spec_path: str) -> int:
     if spec["warmup"]:
         llm.generate(prompts[:spec["warmup"]], params[:spec["warmup"]])
     passes = []
+    core = getattr(llm, "core", None)           # (none with data_parallel_size > 1: replicas)
+    counters = (lambda: (core.num_steps, core.step_seconds, core.prompt_steps, core.prompt_step_seconds)) \
+        if core is not None else (lambda: None)
     for _ in range(2):          # the first pass of a process compiles kernels: the second is the one
+        before = counters()
         t0 = time.perf_counter()                                            # compared with serving
         outs = llm.generate(prompts, params)
         dt = time.perf_counter() - t0
+        kinds = step_kinds(*(a - b for a, b in zip(counters(), before))) if core is not None else {}
         tokens = sum(len(o.token_ids) for o in outs)
         passes.append({"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
-                       "ttft_ms": pcts(o.ttft_s for o in outs)})
+                       "ttft_ms": pcts(o.ttft_s for o in outs)} | kinds)
     result = passes[1] | {"first_pass": passes[0]}
     (Path(spec_path).parent / "offline.json").write_text(json.dumps(result))
     llm.close()
