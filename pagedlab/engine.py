@@ -14,7 +14,8 @@ Three rooms, one step:
 
 Overlap (CUDA graphs, greedy decoding): the host runs one step ahead. Step n+1 is launched before
 step n is read, so the host's bookkeeping happens while the GPU computes; `_step_overlap` next to
-`_step_plain` is the whole idea. A launched but unread token is PENDING in its request's output.
+`_step_plain` is the whole idea. A launched but unread token is counted in its request's
+`num_in_flight` (never written into its output); the runner's launch knows where it is on the device.
 
 Nothing a request or an interrupt does can wedge the engine: a step that raises is rerun one request
 at a time and only the requests that raise alone fail (finish_reason "error"); a KeyboardInterrupt
@@ -33,7 +34,7 @@ import torch
 from .config import EngineConfig
 from .interrupts import deferred, interruptible
 from .kv_cache import KVCache, blocks_needed
-from .request import PENDING, Request, RequestStatus  # noqa: F401  (PENDING re-exported)
+from .request import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Batch, Scheduler
@@ -282,7 +283,7 @@ class Engine:
                 self._read_oldest()
             self._isolate(batch)
             return batch
-        self.scheduler.advance(batch)            # its tokens are PENDING until read
+        self.scheduler.advance(batch)            # its tokens are in flight until read
         self._unread.append((batch, launch))
         self.num_overlapped += ahead is not None
         while self._unread and (len(self._unread) > 1 or not self._unread[-1][1].read_later):

@@ -18,7 +18,6 @@ import time
 
 from .output_processor import Finished, StepOutput
 from .interrupts import deferred
-from .request import PENDING
 
 
 class EngineCore:
@@ -83,10 +82,8 @@ class EngineCore:
             have = sent.get(req.request_id)
             if have is None:
                 continue
-            ids = req.output_token_ids
+            ids = req.output_token_ids           # the tokens read back (none in flight)
             n = len(ids)
-            while n and ids[n - 1] == PENDING:
-                n -= 1
             if n > have:
                 rids.append(req.request_id)
                 tokens.append(ids[have:n])

@@ -3,8 +3,8 @@
 Why: Python raises a pending KeyboardInterrupt at the next check after the signal arrives -- right
 after any call returns (C methods such as `deque.popleft` included) and at every backward jump of
 a loop. So no run of plain statements is atomic: an interrupt between `free_blocks.popleft()` and
-`ref_count[b] = 1` loses a block for good, one between appending a placeholder token and
-recording it loses a request's next token. A learner presses "interrupt the kernel" at any moment.
+`ref_count[b] = 1` loses a block for good, one between counting a token in flight and
+recording its step loses a request's next token. A learner presses "interrupt the kernel" at any moment.
 
 How: the engine's bookkeeping (allocate / free with reference counts, schedule, advance, settle,
 finish / preempt, the trace record) runs inside `deferred()`. The outermost deferred section puts

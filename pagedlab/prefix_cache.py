@@ -25,7 +25,7 @@ exactly that prefix's.
 Who does what:
   * the scheduler looks up a new request's full blocks (`match`) at admission and takes the hits;
   * the scheduler registers a request's blocks (`register`) once they are full, computed, and
-    their tokens known (a token still PENDING in the overlap loop is not known yet);
+    their tokens known (a token still in flight in the overlap loop is not known yet);
   * the allocator keeps a reference count per block and the LRU order of cached blocks.
 """
 from __future__ import annotations

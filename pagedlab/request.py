@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
 
-PENDING = -1        # an output token launched but not yet read back (engine.py, overlap)
-
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -25,7 +23,8 @@ class Request:
     params: SamplingParams
     seed: int
     prompt: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # the tokens read back, only those
+    num_in_flight: int = 0                    # output tokens launched, not read back yet (overlap loop)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None          # "stop" (EOS / stop token), "length", "abort", "error"
     stop_token_id: int | None = None          # the token that stopped it (finish_reason "stop")
@@ -52,12 +51,20 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Its sequence's length, tokens in flight included (their positions are taken)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_in_flight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """The tokens whose ids the host knows: all but those in flight."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The known tokens (prompt + output read back)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def last_token_id(self) -> int:
+        """The last known token (with a token in flight, the runner takes that one on the device)."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -42,7 +42,7 @@ def decode_kv_slots(reqs, block_size: int) -> list[int]:
     """kv_slots of each request's last token (position num_tokens - 1): a decode step's slots, in
     one comprehension (no call per request: at batch 256 this runs every ~3 ms)."""
     bs = block_size
-    return [r.blocks[(r.num_tokens - 1) // bs] * bs + (r.num_tokens - 1) % bs for r in reqs]
+    return [r.blocks[(p := r.num_tokens - 1) // bs] * bs + p % bs for r in reqs]
 
 
 def verify_rows(reqs) -> tuple[list, list[int]]:
@@ -220,7 +220,9 @@ class ModelRunner:
 
     def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
         """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the
-        step before whose (not yet read) token is this request's input, or -1."""
+        step before whose (not yet read) token is this request's input, or -1. `pending` (request
+        id -> row of the unread step) is the one place that knows where a token in flight is; the
+        host's token of such a row (its last known one) is ignored on the device."""
         if self.speculative and any(r.spec_token_ids for r in reqs):
             rows = []
             for r in reqs:                      # verify rows (no overlap loop while speculating)
@@ -230,7 +232,7 @@ class ModelRunner:
                     rows.append((tok, n - 1 + i, s, n + i, r.slot, -1))
             return rows
         slots = decode_kv_slots(reqs, self.block_size)
-        return [(max(r.last_token_id, 0), r.num_tokens - 1, s, r.num_tokens, r.slot, pending.get(r.request_id, -1))
+        return [(r.last_token_id, (n := r.num_tokens) - 1, s, n, r.slot, pending.get(r.request_id, -1))
                 for r, s in zip(reqs, slots)]
 
     # -- output -----------------------------------------------------------------
@@ -278,7 +280,7 @@ class ModelRunner:
         rows = [i for i, r in enumerate(reqs) if r.params.has_penalties]
         sub = [reqs[i] for i in rows]
         v, dev = logits.shape[1], logits.device
-        out_counts = token_counts([[t for t in r.output_token_ids if t >= 0] for r in sub], v, dev)
+        out_counts = token_counts([r.output_token_ids for r in sub], v, dev)
         seen = (out_counts + token_counts([r.prompt_token_ids for r in sub], v, dev)) > 0
         knobs = torch.tensor([[r.params.presence_penalty, r.params.frequency_penalty,
                                r.params.repetition_penalty] for r in sub], dtype=torch.float32).to(dev)

@@ -26,8 +26,9 @@ Nobody ever writes a shared block: a request writes only at positions >= its num
 are in blocks it took fresh.
 
 accept = advance + settle. When the host runs one step ahead of the GPU (engine.py, overlap) the
-two halves happen apart: advance() when the step is launched (its tokens become PENDING
-placeholders), settle() once its tokens are read back.
+two halves happen apart: advance() when the step is launched (each sampled request counts one more
+token in flight, `num_in_flight`), settle() once its tokens are read back (each token appended to
+its request's output, one fewer in flight). An output list holds only tokens read back.
 
 Interrupts: schedule, advance, settle, finish, preempt and abort are each one deferred section
 (interrupts.atomic): a Ctrl-C that arrives inside one is raised at its end, so a request is never
@@ -47,17 +48,7 @@ from .interrupts import atomic
 from .kv_cache import BlockAllocator, blocks_needed
 from .plugged_allocator import plug_allocator
 from .prefix_cache import extend_keys
-from .request import PENDING, Request, RequestStatus
-
-
-def known_tokens(req: Request) -> int:
-    """How many of req's tokens are known: all but the PENDING placeholders at the end of its
-    output (launched, not read back yet: overlap loop)."""
-    out = req.output_token_ids
-    k = len(out)
-    while k and out[k - 1] == PENDING:
-        k -= 1
-    return len(req.prompt_token_ids) + k
+from .request import Request, RequestStatus
 
 
 @dataclass
@@ -169,8 +160,7 @@ class Scheduler:
             self._release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        while req.output_token_ids and req.output_token_ids[-1] == PENDING:
-            req.output_token_ids.pop()          # launched but never read: not part of the output
+        req.num_in_flight = 0                   # launched but never read: not part of the output
         req.status, req.finish_reason, req.error = RequestStatus.FINISHED, reason, error
         req.finish_time = time.perf_counter()
         self.requests.pop(req.request_id, None)
@@ -223,7 +213,7 @@ class Scheduler:
         one as a hit would mean writing that token's K/V into a shared block, which other requests
         are reading. So that block is not taken: it is recomputed into a fresh block of the
         request's own (one block of work; the shared block stays untouched)."""
-        last = min(known_tokens(req), req.num_tokens - 1)    # (a waiting request has no PENDING)
+        last = min(req.num_known_tokens, req.num_tokens - 1)   # (a waiting request has none in flight)
         most = last // self.block_size
         cache = self.allocator.prefix_cache
         keys = req.block_keys
@@ -261,7 +251,7 @@ class Scheduler:
             self._register_full_blocks(r)
             n = r.num_computed + r.num_scheduled
             if n // bs > len(r.block_keys):
-                full = min(n, known_tokens(r)) // bs
+                full = min(n, r.num_known_tokens) // bs
                 if full > len(r.block_keys):
                     first = not r.block_keys
                     self._hash_blocks(r, full)
@@ -269,17 +259,17 @@ class Scheduler:
                         self._track(r)
 
     def _register_full_blocks(self, req: Request) -> None:
-        """Name req's blocks that are full, computed and whose tokens are all known (a PENDING
-        token of the overlap loop is not), so later requests can take them. Safe to interrupt
+        """Name req's blocks that are full, computed and whose tokens are all known (a token in
+        flight in the overlap loop is not), so later requests can take them. Safe to interrupt
         and to repeat: registering a block twice changes nothing. (PrefixCache.register inlined:
         this runs for every block of every request.)"""
-        full = min(req.num_computed, known_tokens(req)) // self.block_size
+        full = min(req.num_computed, req.num_known_tokens) // self.block_size
         if full <= req.num_registered_blocks:
             return
         keys = req.block_keys
         if full > len(keys):
             first = not keys
-            self._hash_blocks(req, full)       # not hashed ahead (a PENDING token at the time)
+            self._hash_blocks(req, full)       # not hashed ahead (a token in flight at the time)
             if first and req.slot is not None:
                 self._track(req)
         cache = self.allocator.prefix_cache
@@ -385,33 +375,34 @@ class Scheduler:
     @atomic
     def advance(self, batch: Batch, tokens: list[int] | None = None) -> None:
         """The step is launched: its tokens are in the cache, and each sampled request's next token
-        is due (a PENDING placeholder until settle). Block-table edits it carried are written."""
-        batch.out_index = [len(r.output_token_ids) for r in batch.sampled]
+        is due (in flight until settle). Block-table edits it carried are written."""
+        batch.out_index = [len(r.output_token_ids) + r.num_in_flight for r in batch.sampled]
         self.unsettled.append((batch, tokens))
         for r in batch.prefill + batch.decode:
             r.num_computed += r.num_scheduled
             r.num_scheduled = 0
         for r in batch.sampled:
-            r.output_token_ids.append(PENDING)
+            r.num_in_flight += 1
         del self.table_edits[:len(batch.table_edits)]
 
     @atomic
     def settle(self, batch: Batch, tokens: list[int]) -> None:
-        """Each token in place of its placeholder; requests that are done stop. Safe to call again
-        for the same batch if it was interrupted (what is done stays done)."""
+        """Each token read back appended to its request's output (one fewer in flight); requests
+        that are done stop. Steps settle in launch order. Safe to call again for the same batch if
+        it was interrupted (what is done stays done: a row whose token is in is skipped)."""
         now = time.perf_counter()
         for row, (r, i, tok) in enumerate(zip(batch.sampled, batch.out_index, tokens)):
             if r.status is RequestStatus.FINISHED:
                 continue                    # stopped (or aborted) before: this row ran in vain
-            if r.output_token_ids[i] == PENDING:
-                r.output_token_ids[i] = tok
+            if len(r.output_token_ids) == i:
+                r.output_token_ids.append(tok)
+                r.num_in_flight -= 1
                 r.token_times.append(now)
                 if r.params.logprobs is not None and batch.logprobs is not None:
                     r.logprobs.append(batch.logprobs[row])
             reason = self.stop_reason(r, i)
             if reason:
-                del r.output_token_ids[i + 1:]   # launched after the stop: never part of the output
-                self.finish(r, reason)
+                self.finish(r, reason)      # tokens launched after the stop are dropped with it
         self.unsettled = [u for u in self.unsettled if u[0] is not batch]
 
     def _settle_leftovers(self) -> None:
@@ -439,7 +430,7 @@ class Scheduler:
         need = 0
         for r in self.admitted:
             p, n = r.params, r.num_tokens
-            if (not p.plain_greedy or n - r.num_computed != 1 or len(r.output_token_ids) >= p.max_new_tokens
+            if (not p.plain_greedy or n - r.num_computed != 1 or len(r.output_token_ids) + r.num_in_flight >= p.max_new_tokens
                     or n >= self.max_model_len):
                 return False
             need += blocks_needed(n, self.block_size) - len(r.blocks)

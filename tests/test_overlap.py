@@ -1,5 +1,5 @@
 """Overlapped decode steps (Engine.step with overlap): step n+1 is launched before step n's tokens
-are read. The bookkeeping around it -- PENDING tokens, stops found one step late, rows that ran in
+are read. The bookkeeping around it -- tokens in flight (counted, never in an output list), stops found one step late, rows that ran in
 vain, length limits, admissions, preemption -- is checked on CPU by running the graph path eagerly
 (DecodeGraphs(capture=False)) under randomized request streams: outputs must equal the plain
 engine's, token for token, and the scheduler's invariants must hold after every step."""
@@ -10,7 +10,6 @@ import torch
 
 from helpers import random_prompts, tiny_llm
 from pagedlab import SamplingParams
-from pagedlab.engine import PENDING
 # the same randomized stream (some requests stop on EOS) and its one-at-a-time reference
 from test_scheduler import check_invariants, reference, run_stream, stream  # noqa: F401
 
@@ -56,7 +55,13 @@ def test_stop_tokens_found_one_step_late():
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == expect
     assert all(o.finish_reason == "stop" for o in outs)
-    assert all(PENDING not in o.token_ids for o in outs)
+    assert all(min(o.token_ids, default=0) >= 0 for o in outs)
+    assert llm.engine.num_overlapped > 0
+    # the engine's own requests, checked after every step: the spare row's token in flight is
+    # dropped with the request (none left in flight once it finished)
+    llm = overlapped_llm(max_num_seqs=6, num_blocks=128)
+    got = run_stream(llm, prompts, params, [0] * len(prompts))
+    assert [got[i] for i in range(len(prompts))] == expect
     assert llm.engine.num_overlapped > 0
 
 

@@ -30,7 +30,7 @@ from pagedlab import SamplingParams, viz  # noqa: E402
 from pagedlab.config import ConfigError, EngineConfig  # noqa: E402
 from pagedlab.kv_cache import BlockAllocator, OutOfBlocks  # noqa: E402
 from pagedlab.prefix_cache import block_key, hash_chain  # noqa: E402
-from pagedlab.request import PENDING, RequestStatus  # noqa: E402
+from pagedlab.request import RequestStatus  # noqa: E402
 
 PAGEDLAB = os.path.dirname(__import__("pagedlab").__file__)
 VOCAB = 512
@@ -206,7 +206,7 @@ class WriteLog:
         for o in range(self.bs):
             r, p = self.at.get(block, {}).get(o, (None, None))
             ids = r.all_token_ids if r is not None else []
-            tok = ids[p] if p is not None and p < len(ids) and ids[p] != PENDING else None
+            tok = ids[p] if p is not None and p < len(ids) else None
             out.append((p, tok))
         return out
 
@@ -247,7 +247,7 @@ def check_prefix_invariants(engine, log: WriteLog | None, everyone):
     for r in everyone:
         ids = r.all_token_ids
         for j, k in enumerate(r.block_keys):
-            assert len(ids) >= (j + 1) * bs and PENDING not in ids[:(j + 1) * bs]
+            assert len(ids) >= (j + 1) * bs and min(ids[:(j + 1) * bs]) >= 0
             p = ids[:(j + 1) * bs]
             assert prefix_of.setdefault(k, p) == p, "one key, two prefixes"
     for k, b in cache.block_of.items():
@@ -303,7 +303,7 @@ def drive(llm, prompts, params, arrival, log=None, abort_at=None, step=None, che
     assert len(done) == len(prompts) and s.allocator.num_used == 0 and not s.requests, "a leak"
     assert s.allocator.num_free == s.allocator.num_blocks
     for r in done.values():
-        assert r.status is RequestStatus.FINISHED and PENDING not in r.output_token_ids
+        assert r.status is RequestStatus.FINISHED and min(r.output_token_ids, default=0) >= 0
     return {ids[rid]: r for rid, r in done.items()}
 
 

@@ -46,6 +46,29 @@ def check_invariants(engine):
         assert len(r.blocks) * s.block_size >= r.num_computed
         assert table[r.slot][:len(r.blocks)] == r.blocks, "device block table out of date"
     assert sum(x is not None for x in s.slots) == len(s.admitted)
+    check_in_flight(engine)
+
+
+def check_in_flight(engine):
+    """Only real tokens in any output list, and a request's tokens in flight are exactly the rows
+    of advanced, unsettled steps not settled yet (output indices len(output), len(output) + 1,
+    ...), each in a step whose tokens are in hand or that the engine will read."""
+    s = engine.scheduler
+    unread = [id(b) for b, _ in getattr(engine, "_unread", ())]
+    assert all(tokens is not None or id(b) in unread for b, tokens in s.unsettled), "a step nobody reads"
+    rows = {}
+    for b, _ in s.unsettled:
+        for r, i in zip(b.sampled, b.out_index):
+            rows.setdefault(id(r), []).append(i)
+    for r in list(s.admitted) + list(s.waiting) + s.finished:
+        out = r.output_token_ids
+        assert min(out, default=0) >= 0, "a placeholder in an output list"
+        if r.status is not RequestStatus.RUNNING:
+            assert r.num_in_flight == 0, "a token in flight for a request not running"
+            continue
+        flying = sorted(i for i in rows.get(id(r), ()) if i >= len(out))
+        assert flying == list(range(len(out), len(out) + r.num_in_flight)), \
+            "tokens in flight != the unsettled rows of the request"
 
 
 def run_stream(llm, prompts, params, arrival_steps):
@@ -67,7 +90,7 @@ def run_stream(llm, prompts, params, arrival_steps):
     assert len(finished) == len(prompts), "a request never finished"
     for r in finished.values():
         assert r.status is RequestStatus.FINISHED and r.finish_reason in ("stop", "length")
-        assert 1 <= len(r.output_token_ids) <= r.params.max_new_tokens
+        assert 1 <= len(r.output_token_ids) <= r.params.max_new_tokens and r.num_in_flight == 0
     return {ids[rid]: r.output_token_ids for rid, r in finished.items()}
 
 

@@ -64,7 +64,8 @@ class Speculator:
         for r in step.decode:
             if not can_speculate(r):
                 continue
-            left = min(r.params.max_new_tokens - len(r.output_token_ids), sched.max_model_len - r.num_tokens)
+            left = min(r.params.max_new_tokens - len(r.output_token_ids) - r.num_in_flight,
+                       sched.max_model_len - r.num_tokens)
             k = min(self.adaptive.k(r, self.cost) if self.adaptive else self.k_max, left - 1, room_rows)
             if k > 0:
                 reqs.append(r)
