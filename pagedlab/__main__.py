@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
-import os
-import re
 import sys
 
 from .bench import BENCHMARKS, HTTP_BENCHMARKS
@@ -17,11 +14,13 @@ from .bench import BENCHMARKS, HTTP_BENCHMARKS
 from .config import EngineConfig
 from .conversation import DEMO_PROMPTS
 from .sampling import DEFAULT_MAX_TOKENS
+from .validation import ValidationError, check_device_present, check_int
+
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
-SEED_LIMIT = 2 ** 63                                   # seeds are int64 on the device
-DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
-               "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
-DEVICE_HINTS = {"gpu": "cuda", "nvidia": "cuda", "cude": "cuda", "cpus": "cpu", "host": "cpu"}
+# the flag that sets each field (an error names the field as the user wrote it)
+FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "--slots (--max-num-seqs)",
+         "memory_fraction": "--gpu-memory-utilization", "attention_backend": "--backend",
+         "prefix_caching": "--prefix-caching"}
 
 
 def fail(message: str) -> None:
@@ -29,6 +28,10 @@ def fail(message: str) -> None:
     text = " ".join(str(message).split())
     print(f"error: {text}", file=sys.stderr)
     raise SystemExit(USAGE_ERROR)
+
+
+def flag_of(field: str) -> str:
+    return FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -56,97 +59,57 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------ argument checks
-def check_device(device: str | None) -> str | None:
-    """--device: None, cpu, cuda or cuda:N, and a CUDA device that torch can see."""
-    if device is None:
-        return None
-    name = device.strip().lower()
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        base, _, index = name.partition(":")
-        guess = DEVICE_HINTS.get(base)
-        hint = f" (did you mean {guess + (':' + index if index else '')}?)" if guess else ""
-        fail(f"--device must be cpu, cuda or cuda:N, got {device!r}{hint}")
-    if name.startswith("cuda"):
+def build_objects(args, sampling: bool = True) -> None:
+    """The real objects from the flags, before anything is loaded: their checks are the checks
+    (validation.py), so a bad flag fails with the Python API's words under the flag's name. Sets
+    args.params (SamplingParams; sampling=False: None) and args.engine_kwargs (EngineConfig's
+    fields, checked by building one, and the parallel sizes)."""
+    from .llm import parallel_sizes, resolve_backend
+    from .sampling import SamplingParams
+    try:
+        args.params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=getattr(args, "top_k", 0),
+            top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", None)) if sampling else None
+        device = args.device.strip().lower() if args.device else None      # flags: any case
+        kw = dict(max_num_seqs=args.slots, attention_backend=args.backend, device=device, dtype=args.dtype)
+        for name, value in (("memory_fraction", args.gpu_memory_utilization),
+                            ("max_model_len", getattr(args, "max_model_len", None)),
+                            ("quantization", getattr(args, "quantization", None)),
+                            ("prefix_caching", getattr(args, "prefix_caching", None)),
+                            ("speculative_config", spec_json(args.speculative_config)
+                             if getattr(args, "speculative_config", None) else None)):
+            if value is not None:
+                kw[name] = value
+        config = EngineConfig(**kw)
+        kw["device"], kw["dtype"] = config.device, config.dtype
+        parallel_sizes(args.tensor_parallel_size, getattr(args, "data_parallel_size", 1))
+        if config.device is not None:
+            check_device_present(config.device)
         import torch
-        if not torch.cuda.is_available():
-            fail(f"--device {name}: no CUDA device here (torch.cuda.is_available() is False); "
-                 f"use --device cpu")
-        if ":" in name and int(name.split(":")[1]) >= torch.cuda.device_count():
-            fail(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
-    return name
-
-
-def check_dtype(dtype: str | None) -> str | None:
-    if dtype is None:
-        return None
-    name = DTYPE_NAMES.get(dtype.strip().lower())
-    if name is None:
-        fail(f"--dtype must be bfloat16, float16 or float32 (or bf16, fp16, fp32), got {dtype!r}")
-    return name
+        resolve_backend(config.attention_backend, torch.device(config.device or (
+            "cuda" if torch.cuda.is_available() else "cpu")))
+    except ValidationError as e:
+        if e.owner in (None, "SamplingParams"):
+            fail(e.rule(flag_of(e.field.split("[")[0])))
+        fail(f"{flag_of(e.owner)}: {e.rule()}")          # a field inside a flag's value
+    args.engine_kwargs = kw
 
 
 def check_args(args) -> None:
-    """Every argument of demo/generate, before anything is loaded. Normalises device and dtype."""
+    """Every argument of demo/generate, before anything is loaded."""
     if not args.model.strip():
         fail("--model must name a model, got an empty string")
-    if not math.isfinite(args.temperature) or args.temperature < 0:
-        fail(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if args.slots < 1:
-        fail(f"--slots (--max-num-seqs) must be >= 1, got {args.slots}")
-    if args.max_new_tokens < 1:
-        fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    check_memory_fraction(args)
-    if getattr(args, "top_k", 0) < 0:
-        fail(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    top_p = getattr(args, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:                    # also rejects nan
-        fail(f"--top-p must be in (0, 1] (1 = off), got {top_p}")
-    seed = getattr(args, "seed", None)
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        fail(f"--seed must be in [0, 2**63), got {seed}")
     for i, prompt in enumerate(args.prompts, 1):
         if not prompt.strip():
             fail(f"PROMPT {i} of {len(args.prompts)} is empty: give some text to answer")
-    check_parallel_args(args)
-    args.device = check_device(args.device)
-    args.dtype = check_dtype(args.dtype)
-    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        import torch
-        on_cpu = args.device == "cpu" or (args.device is None and not torch.cuda.is_available())
-        if on_cpu:
-            fail("--backend triton on CPU runs in Triton's interpreter: set TRITON_INTERPRET=1 "
-                 "in the environment, or use --backend torch or --device cuda")
-
-
-def check_memory_fraction(args) -> None:
-    v = args.gpu_memory_utilization
-    if v is not None and not 0.0 < v <= 1.0:                      # also rejects nan
-        fail(f"--gpu-memory-utilization must be in (0, 1] (the share of free GPU memory for the KV "
-             f"pool), got {v}")
+    build_objects(args)
 
 
 # ------------------------------------------------------------------ commands
-def check_parallel_args(args, data_parallel: bool = True) -> None:
-    for flag, v in (("--tensor-parallel-size", args.tensor_parallel_size),
-                    ("--data-parallel-size", getattr(args, "data_parallel_size", 1))):
-        if v < 1:
-            fail(f"{flag} must be >= 1, got {v}")
-    if not data_parallel and getattr(args, "data_parallel_size", 1) > 1:
-        fail("serve runs one engine: for data parallelism start one server per GPU behind a load balancer")
-
-
 def _llm(args, **kw):
     from .llm import LLM
-    if args.gpu_memory_utilization is not None:
-        kw["memory_fraction"] = args.gpu_memory_utilization
-    if getattr(args, "quantization", None):
-        kw["quantization"] = args.quantization
-    kw["prefix_caching"] = args.prefix_caching
-    if getattr(args, "speculative_config", None):
-        kw["speculative_config"] = spec_json(args.speculative_config)
-    return LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.slots,
-               attention_backend=args.backend, tensor_parallel_size=args.tensor_parallel_size,
-               data_parallel_size=getattr(args, "data_parallel_size", 1), **kw)
+    return LLM(args.model, tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=getattr(args, "data_parallel_size", 1), **args.engine_kwargs, **kw)
 
 
 def spec_json(text: str) -> dict:
@@ -157,16 +120,10 @@ def spec_json(text: str) -> dict:
     except ValueError as e:
         fail(f"--speculative-config must be JSON such as '{{\"method\": \"ngram\", "
              f"\"num_speculative_tokens\": 4}}': {e}")
-    from .spec.config import SpeculativeConfig
-    try:
-        SpeculativeConfig.of(value)
-    except (TypeError, ValueError) as e:
-        fail(f"--speculative-config: {e}")
-    return value
+    return value                # checked as EngineConfig(speculative_config=...) (build_objects)
 
 
 def demo(args) -> None:
-    from .sampling import SamplingParams
     print(f"loading {args.model} ...", flush=True)
     llm = _llm(args, trace=True)
     eng = llm.engine
@@ -182,8 +139,7 @@ def demo(args) -> None:
               f"first token {o.ttft_s * 1e3:.0f} ms after it was queued (waiting for a slot included)]")
         print(f"  Q: {o.prompt}\n  A: {o.text.strip()}\n", flush=True)
 
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens,
-                                                temperature=args.temperature), chat=True, on_finish=show)
+    outs = llm.generate(prompts, args.params, chat=True, on_finish=show)
     say_length_limit(outs, args.max_new_tokens)
     trace = llm.trace
     print(f"slot timeline ({len(trace)} steps; capital letter = prefill, small = decode, '.' = idle):")
@@ -195,11 +151,8 @@ def demo(args) -> None:
 
 
 def generate(args) -> None:
-    from .sampling import SamplingParams
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     llm = _llm(args)
-    outs = llm.generate(args.prompts, params, chat=not args.raw)
+    outs = llm.generate(args.prompts, args.params, chat=not args.raw)
     for o in outs:
         print(o.text.strip())
     say_length_limit(outs, args.max_new_tokens)
@@ -219,20 +172,16 @@ def check_serve_args(args) -> None:
     server's packages are installed (one line each)."""
     if not args.model.strip():
         fail("--model must name a model, got an empty string")
-    if args.slots < 1:
-        fail(f"--slots (--max-num-seqs) must be >= 1, got {args.slots}")
-    check_memory_fraction(args)
-    if args.max_waiting < 0:
-        fail(f"--max-waiting must be >= 0 (requests queued beyond the slots before 503), got {args.max_waiting}")
-    if not 0 <= args.port <= 65535:
-        fail(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    try:
+        check_int("max_waiting", args.max_waiting, 0, note=" (requests queued beyond the slots before 503)")
+        check_int("port", args.port, 0, 65535, note=" (0: any free port)")
+    except ValidationError as e:
+        fail(e.rule(flag_of(e.field)))
     if not args.host.strip():
         fail("--host must be an address such as 127.0.0.1 or 0.0.0.0, got an empty string")
     if args.served_model_name is not None and not args.served_model_name.strip():
         fail("--served-model-name must not be empty")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        fail(f"--max-model-len must be >= 2 (a prompt token and a new one), got {args.max_model_len}")
-    check_parallel_args(args)
+    build_objects(args, sampling=False)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         fail(f"serve needs {', '.join(missing)}: pip install 'pagedlab[serve]'")
@@ -242,33 +191,18 @@ def check_serve_args(args) -> None:
             pass
     except OSError as e:
         fail(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})")
-    args.device = check_device(args.device)
-    args.dtype = check_dtype(args.dtype)
-    if args.backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        import torch
-        if args.device == "cpu" or (args.device is None and not torch.cuda.is_available()):
-            fail("--backend triton on CPU runs in Triton's interpreter: set TRITON_INTERPRET=1 "
-                 "in the environment, or use --backend torch or --device cuda")
 
 
 def serve(args) -> None:
     """The engine core(s) in processes of their own (data parallelism: one per replica), the HTTP
     front end here."""
     from .server import serve as run_server
-    kw = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    kw["prefix_caching"] = args.prefix_caching
-    if args.quantization:
-        kw["quantization"] = args.quantization
-    if args.speculative_config:
-        kw["speculative_config"] = spec_json(args.speculative_config)
-    if args.gpu_memory_utilization is not None:
-        kw["memory_fraction"] = args.gpu_memory_utilization
     name = args.served_model_name or args.model
     dp = args.data_parallel_size
     if args.engine_thread:           # the design before core processes: one process, two threads
         if dp > 1:
             fail("--engine-thread runs one engine: leave out --data-parallel-size")
-        llm = _llm(args, **kw)
+        llm = _llm(args)
         run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                    background=False, log_level=args.log_level)
         return
@@ -279,8 +213,7 @@ def serve(args) -> None:
                on_ready=lambda allm: print(
                    f"serving {name} ({dp} x {args.slots} slots, at most {args.max_waiting} waiting) on "
                    f"http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr, flush=True),
-               device=args.device, dtype=args.dtype, max_num_seqs=args.slots, attention_backend=args.backend,
-               tensor_parallel_size=args.tensor_parallel_size, **kw)
+               tensor_parallel_size=args.tensor_parallel_size, **args.engine_kwargs)
 
 
 def prefix_caching_flag(parser) -> None:

@@ -6,80 +6,19 @@ its key) -- not later, deep inside a reshape or a kernel launch."""
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from .validation import (DEVICE_HINTS, DTYPE_ALIASES, DTYPES, SEED_MAX, ValidationError,  # noqa: F401
+                         check_bool, check_choice, check_device, check_device_present, check_dtype, check_int,
+                         check_real, is_int, is_real, typed)
 
-class ConfigError(ValueError):
-    """A config field with a bad value. `field`, `expected` and `found` say which and why;
-    `located(source, key)` gives the same error prefixed by the file (and its key) it came from."""
-
-    def __init__(self, field_name: str, expected: str, found, detail: str = ""):
-        self.field, self.expected, self.found, self.detail = field_name, expected, found, detail
-        super().__init__(self._text())
-
-    def _text(self, key: str | None = None) -> str:
-        where = f" ({key})" if key else ""
-        found = self.found if isinstance(self.found, str) and self.found.startswith("<") else repr(self.found)
-        return f"{self.field}{where} must be {self.expected}, found {found}{self.detail}"
-
-    def located(self, source: str | None, key: str | None = None) -> ValueError:
-        text = self._text(key)
-        return ValueError(f"{source}: {text}" if source else text)
+ConfigError = ValidationError        # the name config's callers know
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _type_name(x) -> str:
-    return f"<{type(x).__name__} {x!r}>"
-
-
-def _check_int(name: str, value, lo: int | None = None, hi: int | None = None, optional: bool = False):
-    """An int (not a bool, not a float) in [lo, hi); returns it as a plain int (numpy ints too)."""
-    if value is None and optional:
-        return None
-    rng = (f" >= {lo}" if hi is None else f" in [{lo}, {hi})") if lo is not None else ""
-    expected = ("None or " if optional else "") + "an int" + rng
-    if not _is_int(value):
-        raise ConfigError(name, expected, _type_name(value))
-    value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value >= hi):
-        raise ConfigError(name, expected, value)
-    return value
-
-
-def _check_positive_real(name: str, value, optional: bool = False):
-    """A finite real number > 0 (an int is fine); returns it as a float."""
-    if value is None and optional:
-        return None
-    expected = ("None or " if optional else "") + "a finite number > 0"
-    if not _is_real(value):
-        raise ConfigError(name, expected, _type_name(value))
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(name, expected, value)
-    return value
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(name, "True or False", _type_name(value))
-    return value
-
-
-def _check_choice(name: str, value, choices) -> str:
-    if value not in choices:
-        raise ConfigError(name, "one of " + ", ".join(repr(c) for c in choices), value)
-    return value
+def _check_positive_real(name: str, value):
+    return check_real(name, value, 0.0, lo_open=True)
 
 
 def union_ids(*id_lists) -> list[int]:
@@ -88,7 +27,7 @@ def union_ids(*id_lists) -> list[int]:
     for ids in id_lists:
         if ids is None:
             continue
-        for i in ([ids] if _is_int(ids) else ids):
+        for i in ([ids] if is_int(ids) else ids):
             if i not in out:
                 out.append(i)
     return out
@@ -99,11 +38,12 @@ def eos_ids_from(value, key: str, source: str | None) -> list[int]:
     null -> a list of ints."""
     if value is None:
         return []
-    if _is_int(value):
+    if is_int(value):
         return [int(value)]
-    if isinstance(value, (list, tuple)) and all(_is_int(v) for v in value):
+    if isinstance(value, (list, tuple)) and all(is_int(v) for v in value):
         return [int(v) for v in value]
-    raise ConfigError("eos_token_ids", "an int or a list of ints", _type_name(value)).located(source, key)
+    raise ConfigError("eos_token_ids", "an integer or a list of integers", value,
+                      shown=typed(value)).located(source, key)
 
 
 def read_json_object(path: str | Path) -> dict:
@@ -158,7 +98,7 @@ class ModelConfig:
         """Check (and normalize: numpy ints -> int, an eos int -> [int]) every field; a bad one
         raises ConfigError (a ValueError) naming the field, the expected and the found value."""
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
-            setattr(self, f, _check_int(f, getattr(self, f), lo=1))
+            setattr(self, f, check_int(f, getattr(self, f), 1))
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ConfigError("hidden_size", f"a multiple of num_heads ({self.num_heads}) when "
@@ -166,7 +106,7 @@ class ModelConfig:
                                   f" ({self.hidden_size} % {self.num_heads} = "
                                   f"{self.hidden_size % self.num_heads}); or give head_dim")
             self.head_dim = self.hidden_size // self.num_heads
-        self.head_dim = _check_int("head_dim", self.head_dim, lo=2)
+        self.head_dim = check_int("head_dim", self.head_dim, 2)
         if self.head_dim % 2:
             raise ConfigError("head_dim", "even (RoPE rotates the two halves of each head)", self.head_dim)
         if self.num_heads % self.num_kv_heads:
@@ -175,30 +115,31 @@ class ModelConfig:
         self.rms_norm_eps = _check_positive_real("rms_norm_eps", self.rms_norm_eps)
         self.rope_theta = _check_positive_real("rope_theta", self.rope_theta)
         self.rope_scaling = self._checked_rope_scaling(self.rope_scaling)
-        self.max_position_embeddings = _check_int("max_position_embeddings", self.max_position_embeddings, lo=1)
-        self.tie_word_embeddings = _check_bool("tie_word_embeddings", self.tie_word_embeddings)
-        self.bos_token_id = _check_int("bos_token_id", self.bos_token_id, 0, self.vocab_size, optional=True)
+        self.max_position_embeddings = check_int("max_position_embeddings", self.max_position_embeddings, 1)
+        self.tie_word_embeddings = check_bool("tie_word_embeddings", self.tie_word_embeddings)
+        top = self.vocab_size - 1
+        self.bos_token_id = check_int("bos_token_id", self.bos_token_id, 0, top, optional=True, kind="a token id")
         eos = self.eos_token_ids
-        if _is_int(eos):
+        if is_int(eos):
             eos = [eos]
         if not isinstance(eos, (list, tuple)):
-            raise ConfigError("eos_token_ids", "a list of ints", _type_name(eos))
-        self.eos_token_ids = union_ids([_check_int("eos_token_ids", e, 0, self.vocab_size) for e in eos])
+            raise ConfigError("eos_token_ids", "a list of token ids", eos, shown=typed(eos))
+        self.eos_token_ids = union_ids([check_int("eos_token_ids", e, 0, top, kind="a token id") for e in eos])
         if not isinstance(self.name, str):
-            raise ConfigError("name", "a str", _type_name(self.name))
+            raise ConfigError("name", "a str", self.name, shown=typed(self.name))
 
     @staticmethod
     def _checked_rope_scaling(rs):
         if rs is None:
             return None
         if not isinstance(rs, dict):
-            raise ConfigError("rope_scaling", "None or a dict", _type_name(rs))
+            raise ConfigError("rope_scaling", "None or a dict", rs, shown=typed(rs))
         kind = rs.get("rope_type", rs.get("type", "default"))
         if kind in ("default", None):
             return dict(rs)
         if kind != "llama3":
             raise ConfigError("rope_scaling", "None or llama3 scaling (rope_type 'llama3'; pagedlab "
-                              "implements no other)", f"<rope_type {kind!r}>")
+                              "implements no other)", rs, shown=f"<rope_type {kind!r}>")
         missing = [k for k in LLAMA3_ROPE_KEYS if k not in rs]
         if missing:
             raise ConfigError("rope_scaling", "a llama3 scaling with keys " + ", ".join(LLAMA3_ROPE_KEYS),
@@ -206,8 +147,8 @@ class ModelConfig:
         out = dict(rs)
         for k in ("factor", "low_freq_factor", "high_freq_factor"):
             out[k] = _check_positive_real(f"rope_scaling[{k!r}]", rs[k])
-        out["original_max_position_embeddings"] = _check_int(
-            "rope_scaling['original_max_position_embeddings']", rs["original_max_position_embeddings"], lo=1)
+        out["original_max_position_embeddings"] = check_int(
+            "rope_scaling['original_max_position_embeddings']", rs["original_max_position_embeddings"], 1)
         if out["high_freq_factor"] <= out["low_freq_factor"]:
             raise ConfigError("rope_scaling['high_freq_factor']",
                               f"> low_freq_factor ({out['low_freq_factor']})", out["high_freq_factor"])
@@ -241,7 +182,7 @@ class ModelConfig:
         if rope is None:
             rope = d.get("rope_scaling")
         if rope is not None and not isinstance(rope, dict):
-            raise ConfigError("rope_scaling", "null or an object", _type_name(rope)).located(
+            raise ConfigError("rope_scaling", "null or an object", rope, shown=typed(rope)).located(
                 where, "key 'rope_parameters'" if "rope_parameters" in d else "key 'rope_scaling'")
         theta = d.get("rope_theta")
         if theta is None:
@@ -321,42 +262,18 @@ POLICIES = ("continuous", "static")
 ATTENTION_BACKENDS = ("torch", "triton", "auto")
 # pagedlab.kernels.decode_attention.VARIANTS + ("auto",) (not imported here: that module needs Triton)
 DECODE_VARIANTS = ("naive", "blocked", "gqa", "split_kv", "auto")
-DTYPES = ("bfloat16", "float16", "float32")
-QUANTIZATIONS = ("fp8",)        # quantization.QUANTIZATIONS (not imported here: config needs no torch)
-DTYPE_ALIASES = {"bfloat16": "bfloat16", "bf16": "bfloat16",
-                 "float16": "float16", "fp16": "float16", "half": "float16",
-                 "float32": "float32", "fp32": "float32", "float": "float32"}
-DEVICE_HINTS = {"gpu": "cuda", "cuda0": "cuda:0", "nvidia": "cuda", "cpu0": "cpu", "cpu:0": "cpu"}
+QUANTIZATIONS = ("fp8",)        # what quantization.py implements (config needs no torch)
 
 
 def normalize_dtype(dtype, name: str = "dtype") -> str | None:
-    """None, a name ("bf16", "half", "float32", ...) or a torch dtype -> None or one of DTYPES."""
-    if dtype is None:
-        return None
-    key = str(dtype).removeprefix("torch.") if type(dtype).__name__ == "dtype" else dtype
-    if isinstance(key, str) and key.lower() in DTYPE_ALIASES:
-        return DTYPE_ALIASES[key.lower()]
-    raise ConfigError(name, "None or one of " + ", ".join(repr(d) for d in DTYPES) +
-                      " (aliases: " + ", ".join(repr(a) for a in DTYPE_ALIASES if a not in DTYPES) +
-                      "; or the torch dtype)", dtype if isinstance(dtype, str) else _type_name(dtype))
+    """None, a name ("bf16", "half", "float32", ...) or a torch dtype -> None or one of DTYPES
+    (validation.DTYPE_ALIASES: the one table of dtype names)."""
+    return check_dtype(dtype, name)
 
 
 def normalize_device(device, name: str = "device") -> str | None:
     """None, "cpu", "cuda", "cuda:N" or a torch.device of those -> None or that string."""
-    if device is None:
-        return None
-    text = str(device) if type(device).__name__ == "device" else device
-    if isinstance(text, str) and re.fullmatch(r"cpu|cuda(:\d+)?", text):
-        return text
-    hint = ""
-    if isinstance(text, str):
-        low = text.strip().lower()
-        guess = DEVICE_HINTS.get(low) or (low if re.fullmatch(r"cpu|cuda(:\d+)?", low) else None)
-        if guess is None and re.fullmatch(r"(gpu|cuda)\s*:?\s*\d+", low):
-            guess = "cuda:" + re.sub(r"\D", "", low)
-        hint = f": did you mean {guess!r}?" if guess else ""
-    raise ConfigError(name, "None, 'cpu', 'cuda' or 'cuda:N'",
-                      device if isinstance(device, str) else _type_name(device), hint)
+    return check_device(device, name)
 
 
 def resolve_device_dtype(device=None, dtype=None):
@@ -369,15 +286,7 @@ def resolve_device_dtype(device=None, dtype=None):
     name = normalize_device(device)
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    elif name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} was asked for but torch.cuda.is_available() is False "
-                             f"(a CPU-only torch build or no GPU): use device='cpu'")
-        index = int(name.split(":")[1]) if ":" in name else None
-        count = torch.cuda.device_count()
-        if index is not None and index >= count:
-            raise ValueError(f"device {name!r} was asked for but torch sees {count} CUDA device(s) "
-                             f"(cuda:0 .. cuda:{count - 1})")
+    check_device_present(name)
     dev = torch.device(name)
     dt = normalize_dtype(dtype)
     if dt is None:
@@ -448,36 +357,29 @@ class EngineConfig:
         self.validate()
 
     def validate(self):
-        self.block_size = _check_int("block_size", self.block_size, lo=1)
-        self.num_blocks = _check_int("num_blocks", self.num_blocks, lo=1, optional=True)
-        if not _is_real(self.memory_fraction):
-            raise ConfigError("memory_fraction", "a number in (0, 1]", _type_name(self.memory_fraction))
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ConfigError("memory_fraction", "a number in (0, 1]", self.memory_fraction)
-        self.memory_fraction = float(self.memory_fraction)
-        self.max_num_seqs = _check_int("max_num_seqs", self.max_num_seqs, lo=1)
-        self.max_model_len = _check_int("max_model_len", self.max_model_len, lo=2, optional=True)
-        self.max_num_batched_tokens = _check_int("max_num_batched_tokens", self.max_num_batched_tokens, lo=1)
-        _check_choice("policy", self.policy, POLICIES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("decode_variant", self.decode_variant, DECODE_VARIANTS)
+        self.block_size = check_int("block_size", self.block_size, 1)
+        self.num_blocks = check_int("num_blocks", self.num_blocks, 1, optional=True)
+        self.memory_fraction = check_real("memory_fraction", self.memory_fraction, 0.0, 1.0, lo_open=True)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 2, optional=True,
+                                       note=" (a prompt token and a new one)")
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_choice("policy", self.policy, POLICIES)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("decode_variant", self.decode_variant, DECODE_VARIANTS)
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):
-            raise ConfigError("cuda_graphs", "True, False or 'eager'",
-                              self.cuda_graphs if isinstance(self.cuda_graphs, str) else _type_name(self.cuda_graphs))
-        self.overlap = _check_bool("overlap", self.overlap)
-        self.trace = _check_bool("trace", self.trace)
-        self.dtype = normalize_dtype(self.dtype)
-        self.device = normalize_device(self.device)
-        self.seed = _check_int("seed", self.seed, 0, 2 ** 63)
-        self.max_trace_steps = _check_int("max_trace_steps", self.max_trace_steps, lo=1, optional=True)
-        self.prefix_caching = _check_bool("prefix_caching", self.prefix_caching)
-        if self.quantization is not None:
-            _check_choice("quantization", self.quantization, QUANTIZATIONS)
+            raise ConfigError("cuda_graphs", "True, False or 'eager'", self.cuda_graphs,
+                              shown=None if isinstance(self.cuda_graphs, str) else typed(self.cuda_graphs))
+        self.overlap = check_bool("overlap", self.overlap)
+        self.trace = check_bool("trace", self.trace)
+        self.dtype = check_dtype(self.dtype)
+        self.device = check_device(self.device)
+        self.seed = check_int("seed", self.seed, 0, SEED_MAX)
+        self.max_trace_steps = check_int("max_trace_steps", self.max_trace_steps, 1, optional=True)
+        self.prefix_caching = check_bool("prefix_caching", self.prefix_caching)
+        check_choice("quantization", self.quantization, QUANTIZATIONS, optional=True)
         from .spec.config import SpeculativeConfig
-        try:
-            self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-        except (TypeError, ValueError) as e:
-            raise ConfigError("speculative_config", "None or a dict of vLLM's names", str(e)) from None
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
 
     def to_dict(self) -> dict:
         return asdict(self)

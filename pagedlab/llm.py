@@ -16,17 +16,13 @@ from .parallel.shard import check_split
 from .engine_core import run_requests
 from .output_processor import RequestOutput
 from .rank import build_engine, build_model
-from .sampling import SEED_LIMIT, SamplingParams
+from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
+from .validation import ValidationError, check_int
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
 LLAMA3_VOCAB_SIZE = 128256        # 128,000 BPE tokens + 256 special tokens: a Llama 3 vocabulary
-
-
-def sample_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The params of sample j of n: a given seed becomes seed + j (so samples differ)."""
-    return params if j == 0 or params.seed is None else replace(params, seed=(params.seed + j) % SEED_LIMIT)
 
 
 def gather(outputs: list[RequestOutput]) -> RequestOutput:
@@ -65,17 +61,14 @@ def resolve_backend(name: str, device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton backend on CPU runs in Triton's interpreter: set the environment "
-                         "variable TRITON_INTERPRET=1 before pagedlab is imported (or use "
-                         "attention_backend='torch', or device='cuda')")
+        raise ValidationError("attention_backend", "'torch' or 'auto' on the CPU (Triton runs on the CPU "
+                              "only in its interpreter)", name, ": set the environment variable "
+                              "TRITON_INTERPRET=1 before pagedlab is imported, or use 'torch', or device 'cuda'")
     return name
 
 
 def parallel_sizes(tp, dp) -> tuple[int, int]:
-    for name, v in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return int(tp), int(dp)
+    return check_int("tensor_parallel_size", tp, 1), check_int("data_parallel_size", dp, 1)
 
 
 def check_parallel_devices(device, world: int) -> None:
@@ -240,17 +233,16 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
         self._check_open()
-        checked, counts = [], []
+        items, counts = [], []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
-            n = sp.n if isinstance(sp, SamplingParams) else 1
+            # n samples of a prompt are n requests (SamplingParams.samples: seeds seed, seed + 1, ...)
+            samples = sp.samples() if isinstance(sp, SamplingParams) else [sp]
             try:
-                checked.append(self._check_prompt(p, replace(sp, n=1) if n > 1 else sp, chat, system))
+                ids, text, _ = self._check_prompt(p, samples[0], chat, system)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
-            counts.append(n)
-        # n samples of a prompt are n requests (seeds seed, seed + 1, ... when a seed is given)
-        items = [(ids, text, sample_params(sp, j)) for (ids, text, sp), n in zip(checked, counts)
-                 for j in range(n)]
+            items += [(ids, text, s) for s in samples]
+            counts.append(len(samples))
         run = self._run if self._router is None else self._run_replicas
         outs = iter(run(items, use_tqdm, on_finish))
         samples = [gather([next(outs) for _ in range(n)]) for n in counts]

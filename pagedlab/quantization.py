@@ -39,9 +39,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .config import QUANTIZATIONS
 from .kernels.row_buckets import linear_rows
-
-QUANTIZATIONS = ("fp8",)
+from .validation import check_choice
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0                      # torch.finfo(torch.float8_e4m3fn).max
 MIN_CAPABILITY = (8, 9)              # Ada (sm89) and Hopper (sm90) convert fp8 in hardware
@@ -209,8 +209,7 @@ def check_quantization(quantization, device) -> None:
     the GPU). On the CPU fp8 runs through the torch reference path (slow, but anywhere)."""
     if quantization is None:
         return
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    check_choice("quantization", quantization, QUANTIZATIONS)
     device = torch.device(device)
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)

@@ -7,17 +7,16 @@ over sequences is needed. Only the chosen token ids leave the device.
 """
 from __future__ import annotations
 
-import math
-import numbers
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .validation import (INT32_MAX, SEED_LIMIT, ValidationError, check_bool, check_int, check_real,
+                         check_seed, is_int, typed)
+
 _M32 = 0xFFFFFFFF
-_INT32_MAX = 2**31 - 1
-SEED_LIMIT = 2**63                       # seeds travel in int64 device tensors
 _MAX_TEMPERATURE = 1e4
 DEFAULT_MAX_TOKENS = 64
 MAX_N = 128                               # samples per prompt
@@ -25,55 +24,11 @@ MAX_LOGPROBS = 20                         # alternatives per token (OpenAI's lim
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256                     # characters per stop string
 MAX_REPETITION_PENALTY = 10.0
+_OWNER = "SamplingParams"
 
 
-
-
-def _show(v) -> str:
-    """repr(v) kept short (and safe: a huge int's repr can itself raise)."""
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        n = int(v)
-        if n.bit_length() > 128:
-            return f"{'-' if n < 0 else ''}<an integer of {n.bit_length()} bits>"
-    try:
-        s = repr(v)
-    except Exception:                     # noqa: BLE001 -- only for the message
-        s = f"<{type(v).__name__}>"
-    return s if len(s) <= 80 else s[:77] + "..."
-
-
-def _bad(msg: str):
-    raise ValueError(f"SamplingParams: {msg}")
-
-
-def _check_int(name: str, v, lo: int, hi: int, what: str) -> int:
-    """A real integer (not a bool, not a float such as 2.0) with lo <= v <= hi, as a Python int."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        _bad(f"{name} must be an integer {what}, got {_show(v)}")
-    n = int(v)
-    if not lo <= n <= hi:
-        _bad(f"{name} must be an integer {what}, got {_show(v)}")
-    return n
-
-
-def _check_real(name: str, v, lo: float, hi: float, what: str, lo_open: bool = False) -> float:
-    """A finite real number (not a bool) in [lo, hi] ((lo, hi] when lo_open), as a Python float.
-    Integers are range-checked before float() so that 10**400 is refused, not an OverflowError."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        _bad(f"{name} must be {what}, got {_show(v)}")
-    if isinstance(v, numbers.Integral):
-        n = int(v)
-        ok = (lo < n if lo_open else lo <= n) and n <= hi
-        if not ok:
-            _bad(f"{name} must be {what}, got {_show(v)}")
-        return float(n)
-    try:
-        x = float(v)
-    except (OverflowError, ValueError, TypeError):
-        _bad(f"{name} must be {what}, got {_show(v)}")
-    if not math.isfinite(x) or not ((lo < x) if lo_open else (lo <= x)) or not x <= hi:
-        _bad(f"{name} must be {what}, got {_show(v)}")
-    return x
+def _bad(field_name: str, expected: str, found, hint: str = "", shown: str | None = None):
+    raise ValidationError(field_name, expected, found, hint, owner=_OWNER, shown=shown)
 
 
 @dataclass(frozen=True)
@@ -134,32 +89,36 @@ class SamplingParams:
 
     def __post_init__(self):
         put = object.__setattr__             # frozen: normalized values are stored this way
-        put(self, "max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens, 1, _INT32_MAX,
-                                               "in [1, 2**31-1]"))
-        put(self, "temperature", _check_real("temperature", self.temperature, 0.0, _MAX_TEMPERATURE,
-                                             "a finite number in [0, 1e4] (0 = greedy)"))
-        put(self, "top_k", _check_int("top_k", self.top_k, 0, _INT32_MAX, "in [0, 2**31-1] (0 = off)"))
-        put(self, "top_p", _check_real("top_p", self.top_p, 0.0, 1.0, "a finite number in (0, 1] (1 = off)",
-                                       lo_open=True))
-        if self.seed is not None:
-            put(self, "seed", _check_int("seed", self.seed, 0, SEED_LIMIT - 1, "in [0, 2**63-1] or None"))
+        o = _OWNER
+        put(self, "max_new_tokens", check_int("max_new_tokens", self.max_new_tokens, 1, INT32_MAX, owner=o))
+        put(self, "temperature", check_real("temperature", self.temperature, 0.0, _MAX_TEMPERATURE,
+                                            note=" (0 = greedy)", owner=o))
+        put(self, "top_k", check_int("top_k", self.top_k, 0, INT32_MAX, note=" (0 = off)", owner=o))
+        put(self, "top_p", check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True, note=" (1 = off)", owner=o))
+        put(self, "seed", check_seed("seed", self.seed, optional=True, owner=o))
         put(self, "stop_token_ids", _check_stop_ids(self.stop_token_ids))
-        if not isinstance(self.ignore_eos, bool):
-            _bad(f"ignore_eos must be a bool (True or False), got {_show(self.ignore_eos)}")
-        put(self, "min_p", _check_real("min_p", self.min_p, 0.0, 1.0, "a finite number in [0, 1] (0 = off)"))
+        check_bool("ignore_eos", self.ignore_eos, owner=o)
+        put(self, "min_p", check_real("min_p", self.min_p, 0.0, 1.0, note=" (0 = off)", owner=o))
         for name in ("presence_penalty", "frequency_penalty"):
-            put(self, name, _check_real(name, getattr(self, name), -2.0, 2.0, "a finite number in [-2, 2]"))
-        put(self, "repetition_penalty", _check_real("repetition_penalty", self.repetition_penalty, 0.0,
-                                                    MAX_REPETITION_PENALTY, "a finite number in (0, 10] (1 = off)",
-                                                    lo_open=True))
+            put(self, name, check_real(name, getattr(self, name), -2.0, 2.0, owner=o))
+        put(self, "repetition_penalty", check_real("repetition_penalty", self.repetition_penalty, 0.0,
+                                                   MAX_REPETITION_PENALTY, lo_open=True, note=" (1 = off)", owner=o))
         put(self, "stop", _check_stop_strings(self.stop))
-        put(self, "n", _check_int("n", self.n, 1, MAX_N, f"in [1, {MAX_N}]"))
+        put(self, "n", check_int("n", self.n, 1, MAX_N, owner=o))
         if self.n > 1 and self.temperature == 0:
-            _bad(f"n={self.n} with temperature=0 (greedy, the default here) gives {self.n} identical "
-                 "answers: set temperature > 0 (vLLM's default is 1.0) to sample different ones, or n=1")
-        if self.logprobs is not None:
-            put(self, "logprobs", _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS,
-                                             f"in [0, {MAX_LOGPROBS}] or None"))
+            _bad("n", "1 with temperature=0 (greedy, the default here: every sample would be the same "
+                 "answer)", self.n, ": set temperature > 0 (vLLM's default is 1.0) to sample different ones")
+        put(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True, owner=o))
+
+    def samples(self) -> list["SamplingParams"]:
+        """The n samples of a prompt as n requests' params: n = 1 each, and with a seed, seeds seed,
+        seed + 1, ... (mod 2**63: each sample its own random stream, all reproducible). The one
+        n-expansion: LLM.generate and the server both use it."""
+        if self.n == 1:
+            return [self]
+        one = replace(self, n=1)
+        return [one if self.seed is None or j == 0 else replace(one, seed=(self.seed + j) % SEED_LIMIT)
+                for j in range(self.n)]
 
     @property
     def greedy(self) -> bool:
@@ -184,13 +143,13 @@ def _accept_max_tokens(init):
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=None, **kwargs):
         if max_tokens is not None:
-            m = _check_int("max_tokens", max_tokens, 1, _INT32_MAX, "in [1, 2**31-1]")
+            m = check_int("max_tokens", max_tokens, 1, INT32_MAX, owner=_OWNER)
             given = args[0] if args else kwargs.get("max_new_tokens")
             if given is not None:
-                n = _check_int("max_new_tokens", given, 1, _INT32_MAX, "in [1, 2**31-1]")
+                n = check_int("max_new_tokens", given, 1, INT32_MAX, owner=_OWNER)
                 if m != n:
-                    _bad(f"max_tokens={m} and max_new_tokens={n} disagree (max_tokens is an alias of "
-                         "max_new_tokens: give one of them)")
+                    _bad("max_tokens", f"max_new_tokens ({n}) when both are given (max_tokens is an alias "
+                         "of max_new_tokens: give one of them)", m)
             elif not args:
                 kwargs["max_new_tokens"] = m
         init(self, *args, **kwargs)
@@ -206,36 +165,28 @@ def _check_stop_strings(stop) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = (stop,)
     if not isinstance(stop, (list, tuple)):
-        _bad(f"stop must be a string or a list of strings, got {_show(stop)}")
+        _bad("stop", "a string or a list of strings", stop, shown=typed(stop))
     if len(stop) > MAX_STOP_STRINGS:
-        _bad(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS}")
+        _bad("stop", f"at most {MAX_STOP_STRINGS} strings", stop, shown=f"{len(stop)} strings")
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            _bad(f"stop[{i}] must be a non-empty string, got {_show(s)}")
+            _bad(f"stop[{i}]", "a non-empty string", s, shown=None if isinstance(s, str) else typed(s))
         if len(s) > MAX_STOP_LENGTH:
-            _bad(f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_LENGTH}")
+            _bad(f"stop[{i}]", f"at most {MAX_STOP_LENGTH} characters", s, shown=f"{len(s)} characters")
     return tuple(stop)
 
 
 def _check_stop_ids(ids) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple, set, frozenset)):
-        _bad(f"stop_token_ids must be a list, tuple or set of integer token ids, got {_show(ids)}")
+        _bad("stop_token_ids", "a list, tuple or set of integer token ids", ids, shown=typed(ids))
     seq = sorted(ids, key=_sort_key) if isinstance(ids, (set, frozenset)) else list(ids)
-    out = []
-    for i, t in enumerate(seq):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            _bad(f"stop_token_ids[{i}] must be an integer token id, got {_show(t)}")
-        n = int(t)
-        if not 0 <= n <= _INT32_MAX:
-            _bad(f"stop_token_ids[{i}] must be an integer token id in [0, 2**31-1], got {_show(t)}")
-        out.append(n)
-    return tuple(out)
+    return tuple(check_int(f"stop_token_ids[{i}]", t, 0, INT32_MAX, owner=_OWNER,
+                           kind="an integer token id") for i, t in enumerate(seq))
 
 
 def _sort_key(t):
     """Orders a set's members for a reproducible tuple (any junk among them is refused later)."""
-    ok = isinstance(t, numbers.Integral) and not isinstance(t, bool)
-    return (0, int(t), "") if ok else (1, 0, repr(type(t)))
+    return (0, int(t), "") if is_int(t) else (1, 0, repr(type(t)))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

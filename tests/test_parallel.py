@@ -255,7 +255,7 @@ def test_cli_generate_with_two_ranks_and_serve_checks_replicas():
     r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--data-parallel-size", "0"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: --data-parallel-size must be >= 1, got 0"]
+        "error: --data-parallel-size must be an integer >= 1, found 0"]
 
 
 def test_an_error_on_rank_0_mid_step_stops_the_workers(monkeypatch):

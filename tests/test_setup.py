@@ -317,7 +317,7 @@ def test_wheel_builds_installs_and_runs_the_demo(tmp_path):
     assert "slot timeline" in r.stdout and "Capital of France?" in r.stdout
     r = subprocess.run([venv / "bin" / "pagedlab", "demo", "--slots", "0"], cwd=outside, env=env,
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and re.match(r"error: --slots( \(--max-num-seqs\))? must be >= 1", r.stderr), \
+    assert r.returncode == 2 and re.match(r"error: --slots( \(--max-num-seqs\))? must be an integer >= 1", r.stderr), \
         r.stderr[-2000:]
 
 

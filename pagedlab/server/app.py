@@ -219,21 +219,23 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     async def answer(request: Request, req: ParsedRequest):
         arrival = time.perf_counter()
         checked = []
+        samples = req.params.samples()            # n samples: n requests (seeds seed, seed + 1, ...)
         for p, ids in enumerate(req.prompts):
             try:                                  # read-only: fits this engine? (length, vocabulary)
-                checked.append(async_llm.check_request(ids, req.stream_params(0)))
+                checked.append(async_llm.check_request(ids, samples[0]))
             except (ValueError, TypeError) as e:
                 param = "messages" if req.kind == "chat" else "prompt"
                 where = f"{param}[{p}]" if len(req.prompts) > 1 else param
                 raise OpenAIError(f"{where}: {e}", param=param) from None
         ticket = gate.admit(len(checked) * req.n)
         # sent to the engine now, in this handler's first turn (AsyncLLM.submit says why); the n
-        # samples of a prompt differ only in their seeds (stream_params), the prompt was checked once
+        # samples of a prompt differ only in their seeds (SamplingParams.samples), the prompt was
+        # checked once
         requests = []
         try:
             for c in checked:
-                for i in range(req.n):
-                    requests.append(async_llm.submit(c._replace(params=req.stream_params(i)), stream=req.stream))
+                for s in samples:
+                    requests.append(async_llm.submit(c._replace(params=s), stream=req.stream))
         except BaseException:
             for r in requests:
                 r.abort()

@@ -11,11 +11,12 @@ applied), one SamplingParams, how many samples per prompt (`n`) and how to answe
 Checking happens in two layers, and every failure is an `OpenAIError` -- HTTP 400 with OpenAI's error
 JSON naming the field, `{"error": {"message", "type", "param", "code"}}`:
 
-1. the *shape* of the body, here: JSON object, known fields, the JSON type of each field
-   (`"max_tokens": "ten"` is refused here, naming max_tokens);
-2. the *values*, by SamplingParams itself: each field is passed straight in, and its ValueError
-   ("SamplingParams: temperature must be ...") becomes the 400 with `param` = that field. So the server
-   never has a second, diverging copy of the rules (`temperature: -1` is refused by SamplingParams).
+1. the *shape* of the body, here: JSON object, known fields, the JSON type of each field that is the
+   server's own (`"stream": "yes"` is refused here, naming stream);
+2. the sampling fields, by SamplingParams itself: each is passed straight in, type and value, and its
+   ValidationError (validation.py) becomes the 400 with `param` = that field and the same words as
+   the Python API and the CLI ("top_p must be a finite number in (0, 1] (1 = off), found 2.0"). So
+   the server never has a second, diverging copy of the rules.
 
 Fields that SamplingParams does not have (yet) are refused when set to anything but their "off"
 value, so a client never silently gets something other than what it asked for. Fields that do not
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from ..conversation import ROLE_ALIASES
 from ..sampling import SamplingParams
+from ..validation import ValidationError
 
 # -- errors --------------------------------------------------------------------------------------
 
@@ -59,14 +61,15 @@ def bad(message: str, param: str | None = None, code: str | None = None):
 # -- the JSON type of every field ----------------------------------------------------------------
 
 _INT, _NUM, _STR, _BOOL, _OBJ = "an integer", "a number", "a string", "a boolean", "an object"
+_PARAMS = "checked by SamplingParams"       # type and value: validation.py's rules, not a copy here
 
 COMMON_FIELDS = {              # field -> what JSON type it must have (None is always allowed: "unset")
-    "model": _STR, "stream": _BOOL, "stream_options": _OBJ, "max_tokens": _INT, "n": _INT,
-    "temperature": _NUM, "top_p": _NUM, "seed": _INT, "stop": "a string or a list of strings",
-    "presence_penalty": _NUM, "frequency_penalty": _NUM, "user": _STR,
+    "model": _STR, "stream": _BOOL, "stream_options": _OBJ, "max_tokens": _PARAMS, "n": _PARAMS,
+    "temperature": _PARAMS, "top_p": _PARAMS, "seed": _PARAMS, "stop": _PARAMS,
+    "presence_penalty": _PARAMS, "frequency_penalty": _PARAMS, "user": _STR,
     # not in OpenAI's API, but in vLLM's (the benchmark clients send them): passed on as they are
-    "top_k": _INT, "min_p": _NUM, "repetition_penalty": _NUM, "ignore_eos": _BOOL,
-    "stop_token_ids": "a list of integers",
+    "top_k": _PARAMS, "min_p": _PARAMS, "repetition_penalty": _PARAMS, "ignore_eos": _PARAMS,
+    "stop_token_ids": _PARAMS,
 }
 # accepted and not used: they do not change what is generated (OpenAI's bookkeeping and routing
 # fields, vLLM's request id); `user` is OpenAI's too
@@ -75,11 +78,11 @@ IGNORED_FIELDS = {"metadata": _OBJ, "store": _BOOL, "service_tier": _STR, "promp
 COMMON_FIELDS |= IGNORED_FIELDS
 COMPLETION_FIELDS = COMMON_FIELDS | {
     "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
-    "logprobs": _INT, "echo": _BOOL, "best_of": _INT, "suffix": _STR, "logit_bias": _OBJ,
+    "logprobs": _PARAMS, "echo": _BOOL, "best_of": _INT, "suffix": _STR, "logit_bias": _OBJ,
 }
 CHAT_FIELDS = COMMON_FIELDS | {
-    "messages": "a list of messages", "max_completion_tokens": _INT, "logprobs": _BOOL,
-    "top_logprobs": _INT, "logit_bias": _OBJ, "tools": "a list", "tool_choice": "a string or an object",
+    "messages": "a list of messages", "max_completion_tokens": _PARAMS, "logprobs": _BOOL,
+    "top_logprobs": _PARAMS, "logit_bias": _OBJ, "tools": "a list", "tool_choice": "a string or an object",
     "response_format": _OBJ, "parallel_tool_calls": _BOOL, "chat_template_kwargs": _OBJ,
 }
 
@@ -88,17 +91,13 @@ OFF_VALUES = {"echo": (False,), "best_of": (1,), "suffix": ("",), "logit_bias": 
               "tools": ([],), "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False),
               "response_format": ({"type": "text"},)}
 
-# OpenAI name -> SamplingParams field, for fields whose names differ
-RENAMED = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens"}
-
-# the SamplingParams field named in an error -> the request field a client knows
-PARAM_OF_FIELD = {"max_new_tokens": "max_tokens", "max_tokens": "max_tokens"}
-
 DEFAULT_COMPLETION_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0              # OpenAI's default: sampling, unless the client asks for 0
 
 
 def _type_ok(value, want: str) -> bool:
+    if want == _PARAMS:
+        return True
     if want == _INT:
         return isinstance(value, int) and not isinstance(value, bool)
     if want == _NUM:
@@ -213,8 +212,8 @@ def sampling_fields() -> set[str]:
 
 
 def make_params(kwargs: dict, params_of: dict[str, str]) -> SamplingParams:
-    """SamplingParams(**kwargs); its ValueError becomes a 400 naming the request field.
-    params_of: SamplingParams field -> the request field it came from (for the error's param)."""
+    """SamplingParams(**kwargs); its ValidationError becomes a 400 naming the request field, in
+    the words of validation.py. params_of: SamplingParams field -> the request field it came from."""
     known = sampling_fields()
     for name in list(kwargs):
         if name not in known:
@@ -222,12 +221,10 @@ def make_params(kwargs: dict, params_of: dict[str, str]) -> SamplingParams:
                 f"field {name!r})", param=params_of.get(name, name))
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as e:
-        m = re.match(r"SamplingParams: (\w+)", str(e))
-        name = m.group(1) if m else None
-        param = params_of.get(name, PARAM_OF_FIELD.get(name, name))
-        message = str(e) if param is None or param in str(e) else f"{param}: {e}"
-        raise OpenAIError(message, param=param) from None
+    except ValidationError as e:
+        name, _, index = e.field.partition("[")            # stop_token_ids[1] -> stop_token_ids
+        param = params_of.get(name, name)
+        raise OpenAIError(e.rule(param + (f"[{index}" if index else "")), param=param) from None
 
 
 def _sampling_kwargs(body: dict) -> tuple[dict, dict]:
@@ -243,16 +240,10 @@ def _sampling_kwargs(body: dict) -> tuple[dict, dict]:
     return kwargs, params_of
 
 
-def _n_samples(body: dict, kwargs: dict, params_of: dict) -> int:
-    """n: checked by SamplingParams when it has the field, else only n = 1 is served."""
-    n = body.get("n")
-    if n is None or n == 1:
-        return 1
-    if "n" not in sampling_fields():
-        bad(f"n={_show(n)}: only n = 1 is supported by this engine yet (SamplingParams has no field "
-            "'n')", param="n")
-    kwargs["n"], params_of["n"] = n, "n"
-    return n                    # SamplingParams checks it (the server then runs n streams)
+def _n_samples(body: dict, kwargs: dict, params_of: dict) -> None:
+    """n: samples per prompt, checked by SamplingParams (the server then runs n streams)."""
+    if body.get("n") is not None:
+        kwargs["n"], params_of["n"] = body["n"], "n"
 
 
 # -- the parsed request --------------------------------------------------------------------------
@@ -263,21 +254,15 @@ class ParsedRequest:
     kind: str                                  # "chat" or "completion"
     model: str
     prompts: list[list[int]]                   # token ids, chat template applied
-    params: SamplingParams                     # n=1 per stream (see stream_params)
-    n: int = 1                                 # samples per prompt
+    params: SamplingParams                     # its n: samples per prompt (params.samples())
     stream: bool = False
     include_usage: bool = False                # stream_options.include_usage
     logprobs: int | None = None                # top alternatives per token (None: no logprobs)
     texts: list[str | None] = field(default_factory=list)
 
-    def stream_params(self, i: int) -> SamplingParams:
-        """The parameters of sample i of a prompt: n=1 and, with a seed, seed + i (each sample its
-        own random stream, all reproducible)."""
-        if "n" not in sampling_fields():
-            return self.params
-        seed = self.params.seed
-        return dataclasses.replace(self.params, n=1,
-                                   seed=None if seed is None else (seed + i) % 2**63)
+    @property
+    def n(self) -> int:
+        return self.params.n
 
 
 def _common(body: dict, allowed: dict, served_model: str) -> tuple[str, bool, bool]:
@@ -355,13 +340,12 @@ def parse_completion(body: dict, served_model: str, tokenizer, max_model_len: in
         check_context(max_tokens, [len(ids) for ids in prompts], max_model_len, "max_tokens")
     kwargs["max_tokens"] = max_tokens
     params_of["max_tokens"] = "max_tokens"
-    n = _n_samples(body, kwargs, params_of)
+    _n_samples(body, kwargs, params_of)
     logprobs = body.get("logprobs")             # completions: an integer, the number of alternatives
     if logprobs is not None:
         kwargs["logprobs"], params_of["logprobs"] = logprobs, "logprobs"
     params = make_params(kwargs, params_of)
-    return ParsedRequest("completion", model, prompts, params, n, stream, include_usage,
-                         logprobs, texts)
+    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, texts)
 
 
 # -- chat messages -------------------------------------------------------------------------------
@@ -445,7 +429,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
         check_context(body[given[0]], [len(ids)], max_model_len, given[0])
     else:                       # OpenAI: as long as the context allows
         kwargs["max_tokens"], params_of["max_tokens"] = max(1, max_model_len - len(ids)), "messages"
-    n = _n_samples(body, kwargs, params_of)
+    _n_samples(body, kwargs, params_of)
     logprobs = None
     top = body.get("top_logprobs")
     if top is not None and not body.get("logprobs"):
@@ -455,7 +439,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
         kwargs["logprobs"] = logprobs
         params_of["logprobs"] = "logprobs" if top is None else "top_logprobs"
     params = make_params(kwargs, params_of)
-    return ParsedRequest("chat", model, [ids], params, n, stream, include_usage, logprobs, [None])
+    return ParsedRequest("chat", model, [ids], params, stream, include_usage, logprobs, [None])
 
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------

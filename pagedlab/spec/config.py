@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..validation import ValidationError, check_bool, check_choice, check_int, typed
+
 METHODS = ("ngram", "draft")
-
-
-def _bad(msg):
-    raise ValueError(f"speculative_config: {msg}")
+MAX_K = 32
+_OWNER = "speculative_config"
 
 
 @dataclass
@@ -28,28 +28,25 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
-            _bad(f"a dict such as {{'method': 'ngram', 'num_speculative_tokens': 4}}, got {type(value).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            _bad(f"unknown key(s) {unknown}; known: {sorted(known)}")
+            raise ValidationError("speculative_config", "None or a dict such as {'method': 'ngram', "
+                                  "'num_speculative_tokens': 4}", value, shown=typed(value))
+        known = sorted(cls.__dataclass_fields__)
+        for key in value:
+            check_choice("a key", key, known, owner=_OWNER)
         return cls(**value)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            _bad(f"method must be one of {METHODS}, got {self.method!r}")
-        for name, lo in (("num_speculative_tokens", 1), ("prompt_lookup_max", 1), ("prompt_lookup_min", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                _bad(f"{name} must be an integer >= {lo}, got {v!r}")
-        if self.num_speculative_tokens > 32:
-            _bad(f"num_speculative_tokens={self.num_speculative_tokens}: at most 32")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            _bad(f"prompt_lookup_min={self.prompt_lookup_min} > prompt_lookup_max={self.prompt_lookup_max}")
-        if not isinstance(self.adaptive, bool):
-            _bad(f"adaptive must be True or False, got {self.adaptive!r}")
+        o = _OWNER
+        check_choice("method", self.method, METHODS, owner=o)
+        self.num_speculative_tokens = check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_K,
+                                                owner=o)
+        self.prompt_lookup_max = check_int("prompt_lookup_max", self.prompt_lookup_max, 1, owner=o)
+        self.prompt_lookup_min = check_int("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max,
+                                           note=" (prompt_lookup_max)", owner=o)
+        check_bool("adaptive", self.adaptive, owner=o)
         if self.method == "draft" and self.model is None:
-            _bad("method 'draft' needs model= (a name or path LLM() loads, or a loaded model)")
+            raise ValidationError("model", "a name or path LLM() loads, or a loaded model, with method 'draft'",
+                                  None, owner=o)
 
     def to_dict(self) -> dict:
         return asdict(self)
