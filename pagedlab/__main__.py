@@ -199,7 +199,7 @@ def serve(args) -> None:
     from .server import serve as run_server
     name = args.served_model_name or args.model
     dp = args.data_parallel_size
-    if args.engine_thread:           # the design before core processes: one process, two threads
+    if args.engine_thread:           # one process: the engine on a thread beside the server
         if dp > 1:
             fail("--engine-thread runs one engine: leave out --data-parallel-size")
         llm = _llm(args)
@@ -255,7 +255,7 @@ def build_parser() -> ArgumentParser:
         sp.add_argument("--data-parallel-size", type=int, default=1,
                         help="N replicas behind a router, one process/GPU each (>= 1)")
 
-    d = sub.add_parser("demo", help="the four prompts of the original engine, 2 slots")
+    d = sub.add_parser("demo", help="four short prompts, 2 slots, and the slot timeline")
     common(d)
     d.add_argument("prompts", nargs="*", metavar="PROMPT")
     g = sub.add_parser("generate", help="answer prompts",

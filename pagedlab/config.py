@@ -380,6 +380,3 @@ class EngineConfig:
         check_choice("quantization", self.quantization, QUANTIZATIONS, optional=True)
         from .spec.config import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-
-    def to_dict(self) -> dict:
-        return asdict(self)

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-# The original engine's four prompts (its demo hard-codes their Llama 3 chat ids): the CLI demo's,
-# the tests' and notebook 00's.
+# Four short prompts: the CLI demo's, the tests' and notebook 00's.
 DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}          # OpenAI's newer name for the system role

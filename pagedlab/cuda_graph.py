@@ -16,9 +16,10 @@ tokens (greedy argmax runs inside the graph). Launch shapes are fixed at capture
 
 Where a row's token comes from: either the host wrote it (column 0), or it is the token that the
 PREVIOUS replay chose for one of its rows -- still on the device, not yet read by the host. That
-second case lets the engine launch step n+1 before it has read step n's tokens (engine.py:
-"overlap", runner.py: launch(after=...)). Both live in one buffer, `token_src` = [previous replay's tokens | this replay's
-inputs], and column 5 holds an index into it, so picking every row's token is one gather.
+second case lets the engine launch step n+1 before it has read step n's tokens (engine.py's
+overlap loop; runner.py: launch(after=...), whose pending map names those rows). Both live in one
+buffer, `token_src` = [previous replay's tokens | this replay's inputs], and column 5 holds an
+index into it, so picking every row's token is one gather.
 """
 from __future__ import annotations
 

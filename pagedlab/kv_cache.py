@@ -1,8 +1,8 @@
 """The paged KV cache: a pool of fixed-size blocks, who owns which block, and the block table.
 
   KVCache         per-layer K and V tensors [num_blocks, block_size, kv_heads, head_dim]. One
-                  block id names the same place in every layer (one shared table, as in vLLM; the
-                  original engine kept a separate table per layer).
+                  block id names the same place in every layer (one table for all layers, as in
+                  vLLM).
   BlockAllocator  plain Python: a reference count per held block (a block shared by requests with
                   the same prefix is held several times), a free list, and the cached blocks
                   (nobody holds them, their prefix is still known: prefix_cache.py), LRU first.
@@ -148,7 +148,6 @@ class BlockTable:
     def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device, null_block: int = 0):
         self.table = torch.full((max_num_seqs + 1, max_blocks_per_seq), null_block, dtype=torch.int32,
                                 device=device)
-        self.null_row = max_num_seqs
 
     def write(self, edits: list[tuple[int, int, int]]) -> None:
         """(slot, logical index, physical block) entries -> the device: one copy, one indexed store."""
@@ -174,7 +173,3 @@ class KVCache:
     @staticmethod
     def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def num_bytes(self) -> int:  # the whole allocation, null block included
-        return self.data.numel() * self.data.element_size()

@@ -1,4 +1,18 @@
-"""The front door: LLM(model=...).generate(prompts, SamplingParams(...)) -> list[RequestOutput]."""
+"""The front door: LLM loads a model, builds the engine and answers prompts.
+
+    llm = LLM("smollm2")                                  # or "random:tiny", a checkpoint dir, a hub id
+    outs = llm.generate(prompts, SamplingParams(...))     # list[RequestOutput], in prompt order
+    for delta in llm.stream(prompt): ...                  # one prompt, a StreamDelta per step
+    outs = llm.chat(messages)                             # generate(..., chat=True)
+
+LLM(...) checks its keywords (engine_args.py: vLLM's names too) and builds its EngineConfig before
+anything loads; then it loads the checkpoint (weights.py), picks the tokenizer and builds the model
+and the engine behind an engine core (rank.py). generate checks every prompt before any is queued,
+turns n samples into n requests (SamplingParams.samples) and steps the core until all are done
+(engine_core.run_requests). With tensor_parallel_size / data_parallel_size > 1 it starts the other
+ranks' processes (parallel/) and this process is rank 0 -- under data parallelism also the router
+that spreads the requests over the replicas.
+"""
 from __future__ import annotations
 
 import inspect
@@ -138,11 +152,11 @@ class LLM:
         apply_cpu_thread_policy(device)          # cpu_threads.py: one thread unless the user chose
         if tp * dp > 1:
             check_parallel_devices(device, tp * dp)
+        engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
+                                     seed=seed, **engine_kwargs)      # checked before anything loads
         # a Checkpoint given by hand is checked like a loaded one (shapes, dtypes, finite values)
         self.checkpoint = ckpt = checkpoint.validate() if checkpoint is not None else \
             load_checkpoint(model, seed=seed, show_progress=show_progress)
-        engine_config = EngineConfig(device=str(device), dtype=str(dtype).replace("torch.", ""),
-                                     seed=seed, **engine_kwargs)
         backend = resolve_backend(engine_config.attention_backend, device)
         check_split(ckpt.config, tp)
         tokenizer = tokenizer or make_tokenizer(ckpt)

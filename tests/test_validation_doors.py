@@ -139,3 +139,15 @@ def test_n_expansion_is_defined_once():
     assert [p.n for p in s] == [1, 1, 1] and [p.seed for p in s] == [2**63 - 2, 2**63 - 1, 0]
     assert [p.seed for p in SamplingParams(n=2, temperature=1.0).samples()] == [None, None]
     assert SamplingParams().samples() == [SamplingParams()]
+
+
+def test_llm_checks_its_engine_settings_before_loading(monkeypatch):
+    import pagedlab.llm
+
+    def boom(*a, **k):
+        raise AssertionError("the checkpoint was loaded before the settings were checked")
+    monkeypatch.setattr(pagedlab.llm, "load_checkpoint", boom)
+    with pytest.raises(ValidationError, match=r"^block_size must be an integer >= 1, found 0$"):
+        pagedlab.llm.LLM("random:tiny", device="cpu", block_size=0)
+    with pytest.raises(ValidationError, match=r"^dtype must be None or one of .*found 'int8'$"):
+        pagedlab.llm.LLM("random:tiny", device="cpu", dtype="int8")

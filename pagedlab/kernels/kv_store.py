@@ -1,11 +1,12 @@
 """KV-store: write one step's new K/V rows (all sequences at once) into the paged cache.
 
 After the QKV projection and RoPE, every new token's K and V [Hkv, D] must land in its slot of the
-paged pool: slot = physical_block * block_size + offset, computed on the host by the block manager
-(slot_mapping). The tokens of one step belong to many sequences whose pages are scattered, so this
-is a scatter: one program per token copies its K row and V row to the slot (one launch for the
-whole batch, for both caches). A negative slot means "padding token, store nothing" (CUDA-graph
-batches are padded up to a captured size).
+paged pool: slot = physical_block * block_size + offset, computed on the host by the runner
+(runner.kv_slots: slot_mapping). The tokens of one step belong to many sequences whose pages are
+scattered, so this is a scatter: one program per token copies its K row and V row to the slot (one
+launch for the whole batch, for both caches). The padding rows of a CUDA-graph batch store into
+the pool's null block, which no sequence reads (kv_cache.KVCache.null_block). The Triton kernel
+also skips a negative slot (stores nothing); the torch reference takes only slots >= 0.
 
 kv_store_torch is the reference; kv_store_triton has the same signature (in place, returns None).
 """

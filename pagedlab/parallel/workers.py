@@ -20,7 +20,7 @@ import os
 import signal
 import tempfile
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -54,7 +54,6 @@ class WorldSpec:
     tokenizer: object = None       # replicas > 0 need it (their own engine)
     errors: object = None          # mp SimpleQueue: (rank, traceback) of a failed worker
     ready: object = None           # mp SimpleQueue: each worker's rank once its process runs
-    extra: dict = field(default_factory=dict)
 
     @property
     def world(self) -> int:

@@ -12,7 +12,7 @@ apps in one process -- two test servers -- never share or double-count a metric)
 - histograms of latency: time to first token (from the HTTP request's arrival) and the time between
   tokens (inter-token latency, from the engine's per-token times).
 
-The prefix cache (#14) is measured here too: prompt tokens of finished requests taken from the cache
+The prefix cache is measured here too: prompt tokens of finished requests taken from the cache
 (`pagedlab_prefix_cache_hit_tokens_total / pagedlab_prompt_tokens_total` is the hit rate seen by
 clients), and, read off the allocator when it keeps them (`prefix_queries`, `prefix_hits`,
 `hit_rate`, `num_cached`), the engine's own count since it started and the blocks kept for reuse.
