@@ -4,11 +4,11 @@ from .config import LLAMA_3_2_1B, EngineConfig, ModelConfig, tiny_config
 from .engine import Engine
 from .llm import LLM, RequestOutput
 from .sampling import SamplingParams
+from .version import __version__  # noqa: F401
 from .weights import load_checkpoint
 
 __all__ = ["LLM", "AsyncLLM", "Engine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
            "LLAMA_3_2_1B", "tiny_config", "load_checkpoint"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

@@ -40,10 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from .config import QUANTIZATIONS
+from .kernels.quant_fp8 import FP8_DTYPE, FP8_MAX, quantize_rows_fp8_triton
+from .kernels.quant_fp8 import quantize_rows_fp8_torch as quantize_rows_fp8    # activations, per token
 from .kernels.row_buckets import linear_rows
 from .validation import check_choice
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0                      # torch.finfo(torch.float8_e4m3fn).max
+
 MIN_CAPABILITY = (8, 9)              # Ada (sm89) and Hopper (sm90) convert fp8 in hardware
 
 
@@ -112,15 +113,6 @@ def quantize_weight(w: torch.Tensor, name: str = "weight") -> FP8Weight:
     return FP8Weight(*quantize_fp8(w, name))
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations x [T, K] -> (fp8 codes [T, K], fp32 scales [T, 1]): quantize_fp8's rule per
-    token, without its checks (no host sync: it runs inside CUDA graphs; a non-finite activation
-    propagates as nan, as it would in bf16)."""
-    amax = x.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
 _SCALED_MM: dict = {}          # device -> whether torch._scaled_mm does row/column-scaled fp8 there
 
 
@@ -148,8 +140,7 @@ def scaled_mm_works(device) -> bool:
 
 
 def _scaled_mm_linear(x, w, residual=None):
-    from .kernels.quant_fp8 import quantize_rows_fp8_triton       # one launch instead of six
-    xq, xs = quantize_rows_fp8_triton(x)
+    xq, xs = quantize_rows_fp8_triton(x)          # one launch instead of six
     y = torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :], out_dtype=x.dtype)
     return y if residual is None else y.add_(residual)
 

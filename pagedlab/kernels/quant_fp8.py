@@ -13,14 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quantization import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
-
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0                      # torch.finfo(torch.float8_e4m3fn).max
 MAX_BLOCK = 16384        # one program holds a whole row: K up to this
 
 
-def quantize_rows_fp8_torch(x: torch.Tensor):
-    """x [T, K] -> (codes [T, K] float8_e4m3fn, scales [T, 1] float32): the reference."""
-    return quantize_rows_fp8(x)
+def quantize_rows_fp8_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (codes [T, K] float8_e4m3fn, scales [T, 1] float32): the reference. Each row
+    gets the weight rule of quantization.quantize_fp8 (scale max |x| / 448), without its checks (no
+    host sync: it runs inside CUDA graphs; a non-finite activation propagates as nan, as it would
+    in bf16)."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 @triton.jit

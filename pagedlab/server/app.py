@@ -203,7 +203,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     @app.get("/version")
     async def version():
-        from .. import __version__
+        from ..version import __version__
         return {"version": __version__}
 
     @app.post("/v1/completions")
