@@ -64,7 +64,8 @@ def build_objects(args, sampling: bool = True) -> None:
     (validation.py), so a bad flag fails with the Python API's words under the flag's name. Sets
     args.params (SamplingParams; sampling=False: None) and args.engine_kwargs (EngineConfig's
     fields, checked by building one, and the parallel sizes)."""
-    from .llm import parallel_sizes, resolve_backend
+    from .config import resolve_backend
+    from .llm import parallel_sizes
     from .sampling import SamplingParams
     try:
         args.params = SamplingParams(

@@ -276,6 +276,25 @@ def normalize_device(device, name: str = "device") -> str | None:
     return check_device(device, name)
 
 
+def resolve_backend(name: str, device) -> str:
+    """The attention backend to run: "auto" -> triton on CUDA, torch elsewhere; triton on the CPU
+    only under Triton's interpreter (TRITON_INTERPRET=1)."""
+    import os
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValidationError("attention_backend", "'torch' or 'auto' on the CPU (Triton runs on the CPU "
+                              "only in its interpreter)", name, ": set the environment variable "
+                              "TRITON_INTERPRET=1 before pagedlab is imported, or use 'torch', or device 'cuda'")
+    return name
+
+
+def max_positions(cfg: "EngineConfig", model_config: ModelConfig) -> int:
+    """The longest sequence asked for: EngineConfig.max_model_len, else the model's own limit. (The
+    engine may hold fewer: a sequence never outgrows the KV pool.)"""
+    return cfg.max_model_len or model_config.max_position_embeddings
+
+
 def resolve_device_dtype(device=None, dtype=None):
     """(torch.device, torch.dtype) to run on. device None -> CUDA when torch sees a GPU, else CPU;
     dtype None -> on CUDA bfloat16 where the GPU has bf16 tensor cores (compute capability >= 8.0,

@@ -31,7 +31,7 @@ from collections import deque
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, max_positions
 from .interrupts import deferred, interruptible
 from .kv_cache import KVCache, blocks_needed
 from .request import Request, RequestStatus
@@ -42,12 +42,6 @@ from .trace import StepRecord, Trace
 
 CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4 GiB
 SEED_BITS = 31                      # seeds drawn for requests without one: [0, 2**31)
-
-
-def max_positions(cfg: EngineConfig, model_config) -> int:
-    """The longest sequence asked for: EngineConfig.max_model_len, else the model's own limit. (The
-    engine may hold fewer: a sequence never outgrows the KV pool.)"""
-    return cfg.max_model_len or model_config.max_position_embeddings
 
 
 def pool_size(model_config, cfg: EngineConfig, max_model_len: int, device, dtype,

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import inspect
 import numbers
-import os
 from dataclasses import replace
 
 import torch
 
-from .config import EngineConfig, resolve_device_dtype
+from .config import EngineConfig, resolve_backend, resolve_device_dtype  # noqa: F401 (resolve_backend: here too)
 from .conversation import check_conversation, is_conversation
 from .cpu_threads import apply_cpu_thread_policy
 from .engine_args import engine_config_kwargs
@@ -32,7 +31,7 @@ from .output_processor import RequestOutput
 from .rank import build_engine, build_model
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
-from .validation import ValidationError, check_int
+from .validation import check_int
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
@@ -69,16 +68,6 @@ def make_tokenizer(ckpt):
     if not ckpt.source.startswith("random"):
         raise ValueError(missing_tokenizer_message(ckpt.source))
     return ByteTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids)
-
-
-def resolve_backend(name: str, device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValidationError("attention_backend", "'torch' or 'auto' on the CPU (Triton runs on the CPU "
-                              "only in its interpreter)", name, ": set the environment variable "
-                              "TRITON_INTERPRET=1 before pagedlab is imported, or use 'torch', or device 'cuda'")
-    return name
 
 
 def parallel_sizes(tp, dp) -> tuple[int, int]:

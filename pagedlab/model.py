@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, attend
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig, max_positions
 from .kernels import select_kernels
 from .kernels.rope import rope_cos_sin
 from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
@@ -126,3 +126,15 @@ class LlamaModel:
     def _embed_parallel(self, ids):
         """Vocabulary-parallel lookup: ids outside this rank's range read zeros; all-reduce."""
         return vocab_parallel_embedding(ids, self.embed, self.tp.rank, self.tp.all_reduce)
+
+
+def build_model(config, tensors: dict, device, dtype, engine_config: EngineConfig, backend: str,
+                kernel_options: dict | None = None, tp=None, presharded: bool = False,
+                decode_kernel=None) -> LlamaModel:
+    """Kernels for this device (decode_kernel: a learner's decode attention instead), then the
+    model -- this rank's cut when `tp` (a parallel.group.ParallelGroup) is given."""
+    kernels = select_kernels(backend, engine_config.decode_variant, **(kernel_options or {}))
+    if decode_kernel is not None:
+        kernels.decode_attention = decode_kernel
+    return LlamaModel(config, tensors, device, dtype, kernels, max_positions=max_positions(engine_config, config),
+                      tp=tp, presharded=presharded, quantization=engine_config.quantization)

@@ -18,13 +18,14 @@ PKG = Path(__file__).resolve().parents[1] / "pagedlab"
 
 # room -> its modules (names relative to pagedlab; "kernels.*" is every module under kernels/)
 ROOMS = [
-    ("base", ["version", "validation", "config", "interrupts", "cpu_threads", "conversation", "reference", "tokenizer",
+    ("base", ["version", "validation", "config", "spec.config", "interrupts", "cpu_threads", "conversation", "reference", "tokenizer",
               "weights"]),
     ("kernels", ["kernels", "kernels.*", "quantization"]),
     ("model/attention", ["attention", "model", "sampling", "parallel", "parallel.shard"]),
-    ("kv/blocks/scheduler", ["kv_cache", "prefix_cache", "plugged_allocator", "request", "scheduler", "trace"]),
-    ("runner/engine", ["runner", "cuda_graph", "engine", "plugins", "parallel.group"]),
-    ("engine_core/llm", ["engine_core", "output_processor", "streaming", "rank", "engine_args", "llm",
+    ("kv/blocks/scheduler", ["kv_cache", "prefix_cache", "plugged_allocator", "request", "scheduler", "trace",
+                             "spec.accept", "spec.ngram", "spec.rejection", "spec.speculator"]),
+    ("runner/engine", ["runner", "cuda_graph", "engine", "plugins", "parallel.group", "spec", "spec.draft"]),
+    ("engine_core/llm", ["engine_core", "output_processor", "streaming", "rank", "engine_args", "llm", "warmup",
                          "parallel.data_parallel", "parallel.workers", "parallel.world"]),
     ("async_llm/server", ["async_llm", "core_process", "server", "server.*"]),
     ("bench/CLI", ["bench", "bench.*", "__main__", ""]),          # "": the package itself (__init__)

@@ -46,8 +46,8 @@ def load_draft(spec_model, target_model, engine_config):
     from ..model import LlamaModel
     if isinstance(spec_model, LlamaModel):
         return spec_model
-    from ..llm import resolve_backend
-    from ..rank import build_model
+    from ..config import resolve_backend
+    from ..model import build_model
     from ..weights import Checkpoint, load_checkpoint
     ckpt = spec_model.validate() if isinstance(spec_model, Checkpoint) else \
         load_checkpoint(spec_model, show_progress=False)
