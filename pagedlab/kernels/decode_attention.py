@@ -29,7 +29,8 @@ in physical block block_table[b, n // block_size], row n % block_size):
 
 All launch parameters (grid, number of splits) depend only on shapes and on the max_seq_len hint,
 never on device values, and the split_kv scratch is cached per shape, so decode can be captured in
-a CUDA graph. Sequences with seq_len 0 (graph padding) give zeros.
+a CUDA graph. A sequence with seq_len 0 gives zeros. (The padding rows of a captured batch have
+length 1 and read the pool's null block: cuda_graph.py.)
 
 decode_attention_torch is the reference; decode_attention_triton has the same signature plus
 `variant`, and the launch parameters as explicit keyword arguments: `config` (DECODE_CONFIG, the

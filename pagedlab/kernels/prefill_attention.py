@@ -6,8 +6,9 @@ chunk of a chunked prefill, or a cached prefix), so query i of b sits at positio
 seq_lens[b] - q_len[b] + i and sees every key up to that position -- keys that are read through
 the block table from the paged pool, never from a contiguous copy.
 
-The Triton kernel is FlashAttention-2 style: one program per (tile of BLOCK_M queries, sequence,
-query head). It walks the keys in tiles of BLOCK_N, each tile gathered from the pages (key n lives
+The Triton kernel is FlashAttention-2 style: one program per (tile of BLOCK_M rows, sequence,
+query head -- or group of query heads, see GQA below). It walks the keys in tiles of BLOCK_N, each
+tile gathered from the pages (key n lives
 at block_table[b, n // block_size], offset n % block_size), computes S = Q K^T with tl.dot, and
 keeps a running (max m, sum l, output acc) -- the online softmax -- so the [q_len, seq_len] score
 matrix never exists in memory. Work is in the base-2 domain (exp2, scale folded with log2 e).
@@ -16,8 +17,11 @@ work), then the tiles that cross the causal diagonal (masked). The running max s
 FINITE negative number, so a row that sees no key at all gives exp2(-inf - finite) = 0 and an
 output of 0, never NaN. Programs with the most work (the last query tiles) are launched first.
 
-GQA: query head h reads KV head h // (Hq // Hkv); the other query heads of the group re-read the
-same K/V tiles, which mostly hit in L2 (prefill is compute bound, so that is fine).
+GQA: query head h reads KV head h // G (G = Hq // Hkv query heads per KV head). With PACK_GQA (the
+default tiers) a tile's rows are (query, head) pairs of all G heads of one KV head -- BLOCK_M // G
+queries each -- so every K/V tile is read once for the whole group. When G is not a power of two
+or does not divide BLOCK_M, a tile holds one head's queries and the group's heads re-read the same
+K/V tiles (mostly from L2).
 
 prefill_attention_torch is the reference; prefill_attention_triton has the same signature, plus
 its launch parameters as an explicit keyword argument `config` (PREFILL_CONFIG unless given).
@@ -39,8 +43,9 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             max_q_len: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] packed: sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
     seq_lens[b] counts all of b's tokens in the cache, the new ones included (their K/V are already
-    stored); max_q_len, when the caller knows it, saves a device->host read., so query i of b sits at position seq_lens[b] - q_len[b] + i and sees keys 0..that.
-    Computed in fp32: queries are padded per sequence, scores masked (no loop over sequences)."""
+    stored), so query i of b sits at position seq_lens[b] - q_len[b] + i and sees keys 0..that.
+    max_q_len, when the caller knows it, saves a device->host read. Computed in fp32: queries are
+    padded per sequence, scores masked (no loop over sequences)."""
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     b = seq_lens.shape[0]
