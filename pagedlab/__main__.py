@@ -267,7 +267,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--top-k", type=int, default=0, help=">= 0 (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (1 = off)")
     g.add_argument("--seed", type=int, default=None,
-                   help="in [0, 2**63) (default: drawn from the engine's seed, 0: runs repeat)")
+                   help="in [0, 2**63-1] (default: drawn from the engine's seed, 0: runs repeat)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, "
                                      "/v1/completions, /v1/models, /metrics, /health)",
