@@ -3,7 +3,7 @@
 Triton compiles a kernel the first time it sees a new combination of its compile-time parameters
 (tile sizes, a prefill tier, an integer argument that is 1 or a multiple of 16, ...). Without a
 warm-up those compiles land in the first requests a process serves: measured on an H200 the
-first offline pass of a fresh process ran at 33,868 tokens/s against 41,608 warm (issue #27).
+first offline pass of a fresh process ran at 33,868 tokens/s against 41,608 warm.
 CUDA graphs already compile the decode-only steps at load (cuda_graph.py); what is left is every
 step with prompt tokens in it. `warm_up(engine)` runs a few tiny requests through the engine
 itself -- the very code path that serves -- in waves that produce each kind of step:

@@ -165,7 +165,7 @@ def bench_prefill(device, gen, configs=None):
     return rows
 
 
-# issue #27's prefill shapes: (batch, length), causal, Llama-3.2-1B heads, bf16
+# the prefill shapes measured in docs/kernels.md: (batch, length), causal, Llama-3.2-1B heads, bf16
 ISSUE_PREFILL_SHAPES = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)]
 PREFILL_SWEEP = {   # flat launch configs the sweep times at every shape (pack = PACK_GQA)
     f"m{m}_n{n}_w{w}_s{st}_{'pack' if pk else 'nopack'}":
