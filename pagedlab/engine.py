@@ -330,7 +330,8 @@ class Engine:
         self._traced_endings.update(ended)
         return StepRecord(step=self.trace.next_step, start_s=t_start - self._t0,
                           duration_s=time.perf_counter() - t_start, emitted=emitted,
-                          finished=[r.request_id for r in ended], **batch.view)
+                          finished=[r.request_id for r in ended], spec=getattr(batch, "spec_log", None) or {},
+                          **batch.view)
 
     def run(self, on_finish=None) -> list[Request]:
         """Step until the queue and the slots are empty."""

@@ -456,7 +456,7 @@ class Scheduler:
             block_table=[list(r.blocks) if r else [] for r in self.slots],
             pool_used=self.allocator.num_used, pool_total=self.allocator.num_blocks,
             queue=[r.request_id for r in self.waiting],
-            num_tokens=sum(r.num_scheduled for r in step.prefill + step.decode),
+            num_tokens=sum(r.num_scheduled + len(r.spec_token_ids) for r in step.prefill + step.decode),
             preempted=[r.request_id for r in step.preempted],
             block_refs={b: n for b, n in self.allocator.ref_count.items() if n > 1},
             cached_tokens=[r.num_cached_tokens if r else 0 for r in self.slots],

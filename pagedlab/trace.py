@@ -27,6 +27,8 @@ class StepRecord:
     pool_cached: int = 0                    # blocks nobody holds that keep a cached prefix
     prefix_hits: int = 0                    # tokens found in the prefix cache so far (all admissions)
     prefix_queries: int = 0                 # tokens looked up so far
+    # speculative decoding (spec/): request id -> (its guesses this step, how many were kept)
+    spec: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -230,6 +230,19 @@ def test_adaptive_k_backs_off():
     assert ks[0] > 0 and ks.count(0) >= 14, ks
 
 
+def test_trace_records_guesses():
+    """trace=True: each step's record names each request's guesses and how many were kept (the
+    explorer's slot labels show them); the step's token count includes the guess rows."""
+    llm = tiny_llm(dtype="float32", max_num_seqs=2, trace=True, speculative_config=NGRAM)
+    outs = llm.generate(copy_prompts(random.Random(6), 3), SamplingParams(max_tokens=16, ignore_eos=True))
+    steps = list(llm.trace.steps)
+    logged = [(g, kept) for s in steps for g, kept in s.spec.values()]
+    assert logged and sum(k for _, k in logged) == sum(o.num_spec_accepted for o in outs)
+    assert sum(len(g) for g, _ in logged) == sum(o.num_spec_proposed for o in outs)
+    s = next(s for s in steps if s.spec and not any(p == "prefill" for p in s.slot_phase))
+    assert s.num_tokens == len(s.emitted) + sum(len(g) for g, _ in s.spec.values())
+
+
 def test_cli_flag(capsys):
     """--speculative-config: vLLM's JSON; bad JSON or a bad key is refused in one line."""
     from pagedlab.__main__ import main

@@ -473,6 +473,9 @@ class StepPainter:
                 label += f", {cached} cached"
             if rid in s.emitted:
                 label += f" -> {s.emitted[rid]}"
+            if rid in getattr(s, "spec", {}):             # speculative decoding: this step's guesses
+                guesses, kept = s.spec[rid]
+                label += f" (+{kept} of {len(guesses)} guessed)"
             if rid in s.finished:
                 label += "  [stop]"
             self.slot_label[y].set_text(label)

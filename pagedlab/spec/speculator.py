@@ -113,6 +113,7 @@ class Speculator:
             self.step_s[key] = dt if old is None else old + 0.1 * (dt - old)
         self._t0 = None
         cost = self.cost
+        log = {}                                     # for the trace: request id -> (guesses, kept)
         for r, targets in zip(batch.sampled, per_req or ()):
             guesses = r.spec_token_ids
             if not guesses:
@@ -133,6 +134,7 @@ class Speculator:
                     if reason:
                         sched.finish(r, reason)
                         break
+            log[r.request_id] = (list(guesses), kept)
             if self.on_verify is not None:
                 self.on_verify(r, guesses, out[:1 + kept])
             r.num_spec_proposed += len(guesses)
@@ -145,6 +147,8 @@ class Speculator:
                     extra = r.blocks[keep:]
                     del r.blocks[keep:]
                     sched.allocator.free(extra)
+        if log:
+            batch.spec_log = log
         forget = getattr(self.proposer, "forget_except", None)
         if forget is not None:
             forget({r.request_id for r in sched.admitted})
