@@ -3,8 +3,10 @@
 torch starts one intra-op thread per core. Decoding on the CPU is a long run of small matrix-vector
 products, and each one waits at a barrier for every thread: when another process holds one of the
 cores (a shared machine, a second notebook, the test suite), every step waits for a thread that is
-not running, and decoding collapses (README, "CPU threads", has the measurements). One thread loses
-little on an idle machine and nothing collapses on a busy one, so an LLM on the CPU uses one thread
+not running, and decoding collapses (README, "CPU threads", and docs/cpu_threads.md have the
+measurements: on an idle 2-core machine two threads decode 1.3-1.6x faster than one; on a busy one
+7-25x slower). One thread's worst case is mild and two threads' a collapse, and the load changes
+while a model runs, so an LLM on the CPU uses one thread
 -- unless the user chose: OMP_NUM_THREADS (or MKL_NUM_THREADS) in the environment, or
 torch.set_num_threads called before the LLM is built. The choice is made once, when an LLM picks
 its device; PAGEDLAB_CPU_THREADS=N sets it explicitly.
