@@ -9,6 +9,14 @@ from pagedlab import SamplingParams
 from pagedlab.async_llm import AsyncLLM
 
 
+async def engine_idle(llm, timeout_s: float = 4.0) -> None:
+    """Wait (at most timeout_s) until the engine thread has nothing left and every block is free."""
+    for _ in range(int(timeout_s / 0.01)):
+        if llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def collect(allm, prompt, sp):
     deltas = [d async for d in allm.generate(prompt, sp)]
     return deltas
@@ -55,10 +63,7 @@ def test_cancelled_stream_is_aborted_and_others_finish():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):                            # the engine thread frees its blocks
-            if llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await engine_idle(llm)                          # the engine thread frees its blocks
         return other
     try:
         other = asyncio.run(main())
@@ -143,10 +148,7 @@ def test_submit_reaches_the_core_before_any_await_and_abort_frees_unread_request
         got = [d async for d in kept.deltas()]
         orphan.abort()
         kept.abort()                                  # finished: nothing happens
-        for _ in range(400):
-            if llm.engine.scheduler.allocator.num_used == 0 and not llm.engine.has_work():
-                break
-            await asyncio.sleep(0.01)
+        await engine_idle(llm)
         return got
     try:
         got = asyncio.run(main())
