@@ -13,8 +13,9 @@ So: past SMALL_ROWS, T is rounded up to one of 8 sizes per power of two (at most
 the padding rows are zeros and their outputs dropped), and every size a process can meet is run
 once, for each weight shape, the first time that shape is used outside a CUDA graph capture
 (`_warm`: ~300 sizes; the engine's own warm-up at load comes through here first). Up to
-SMALL_ROWS rows (decode batches, CUDA graph sizes) nothing is padded: those sizes are warmed as
-they are. Only on CUDA; the CPU path is plain F.linear / addmm.
+SMALL_ROWS rows (decode batches) nothing is padded: those sizes are warmed as they are; nor is
+anything inside a CUDA graph capture (a graph's shapes are fixed: cuBLAS chooses once, at capture).
+Only on CUDA; the CPU path is plain F.linear / addmm.
 """
 from __future__ import annotations
 
@@ -69,7 +70,10 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     if not x.is_cuda or x.dim() != 2:
         return F.linear(x, w) if residual is None else torch.addmm(residual, x, w.t())
     _warm(x, w, residual is not None)
-    return padded_linear(x, w, residual, bucket_rows(x.shape[0]) - x.shape[0])
+    pad = bucket_rows(x.shape[0]) - x.shape[0]
+    if pad and torch.cuda.is_current_stream_capturing():
+        pad = 0             # a CUDA graph fixes its shapes once: padding would only add kernels to it
+    return padded_linear(x, w, residual, pad)
 
 
 def padded_linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None, pad: int) -> torch.Tensor:
