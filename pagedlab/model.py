@@ -136,5 +136,6 @@ def build_model(config, tensors: dict, device, dtype, engine_config: EngineConfi
     kernels = select_kernels(backend, engine_config.decode_variant, **(kernel_options or {}))
     if decode_kernel is not None:
         kernels.decode_attention = decode_kernel
+        kernels.decode_plugged = True                 # warm-up compiles no split variants for it
     return LlamaModel(config, tensors, device, dtype, kernels, max_positions=max_positions(engine_config, config),
                       tp=tp, presharded=presharded, quantization=engine_config.quantization)

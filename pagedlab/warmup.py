@@ -105,11 +105,11 @@ def compile_decode_splits(engine) -> list[int]:
     """One tiny split_kv decode launch per split count auto can choose, through the model's own
     decode kernel (its variant, launch config and PDL mode): each compiles its kernel variant.
     Returns the split counts launched ([] when the model's decode attention is not Triton's auto
-    or split_kv)."""
+    or split_kv, or is a learner's kernel plugged in with LLM(decode_kernel=))."""
     from .kernels.decode_attention import MAX_SPLITS, MIN_SPLIT_LEN
     model = engine.model
     kernels = model.kernels
-    if getattr(kernels, "backend", None) != "triton" or \
+    if getattr(kernels, "backend", None) != "triton" or getattr(kernels, "decode_plugged", False) or \
             kernels.options.get("decode_variant") not in ("auto", "split_kv"):
         return []
     kv = engine.kv_cache

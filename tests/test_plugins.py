@@ -126,3 +126,14 @@ def test_scheduler_subclass(ours):
             return super().make_room(req, step)
     assert same(run(scheduler=Counting), ours)
     assert Counting.calls > 0
+
+
+def test_warm_up_leaves_a_plugged_decode_kernel_alone():
+    """The warm-up at load compiles split_kv's variants through the model's decode kernel; a
+    learner's kernel (decode_attention_torch's signature, no num_splits) is not Triton's: it is
+    left out of that (LLM() on CUDA warms up at load: it raised TypeError there)."""
+    from pagedlab.warmup import compile_decode_splits
+    kw = dict(KW, attention_backend="triton", cuda_graphs=False)
+    assert compile_decode_splits(LLM("random:tiny", **kw).engine)           # Triton's own: variants compiled
+    llm = LLM("random:tiny", decode_kernel=decode_kernel_from(P.decode_one), **kw)
+    assert compile_decode_splits(llm.engine) == []
