@@ -48,19 +48,35 @@ def _cases():
 
 def _hint_scale(w, mine, ref) -> str:
     w32 = w.float()
-    if mine.numel() == 1 or (mine.dim() == 1 and mine.shape[0] != ref.shape[0]):
+    if mine.shape != ref.shape:
         return ("one scale per OUTPUT row (channel): scale has one value per row of w, shape "
                 "[rows] -- amax over dim=1, not over the whole tensor or over the columns")
     if torch.isnan(mine).any() or torch.isinf(mine).any() or (mine == 0).any():
         return ("an all-zero row has amax 0: dividing by a zero scale gives nan. Give such a row "
                 "the scale 1.0 (its codes are all 0 anyway): torch.where(amax > 0, amax / 448, 1.0)")
-    if torch.allclose(mine, w32.abs().amax() / FP8_MAX * torch.ones_like(mine)):
+    if len(ref) > 1 and torch.allclose(mine, w32.abs().amax() / FP8_MAX * torch.ones_like(mine)):
         return "that is ONE scale for the whole tensor (per-tensor): take the max of each row (dim=1)"
-    if torch.allclose(mine.abs(), (w32.amax(1) / FP8_MAX).abs()) and not torch.allclose(mine, ref):
+    top = w32.amax(1) == w32.abs().amax(1)              # rows whose largest value is their largest magnitude
+    if torch.allclose(mine[top], ref[top]) and not torch.allclose(mine[~top], ref[~top]):
         return "the scale must come from the largest MAGNITUDE of the row: w.abs().amax(dim=1), not w.amax(dim=1)"
     if torch.allclose(mine, ref * FP8_MAX ** 2) or torch.allclose(mine, 1 / ref):
         return "scale = amax / 448 (so that w / scale fills [-448, 448]), not amax * 448 or 448 / amax"
     return "scale[n] = max_k |w[n, k]| / 448 in float32 (448 = torch.finfo(torch.float8_e4m3fn).max)"
+
+
+ROWS_HINT = ("Hint: a [rows] tensor of scales meets a [rows, columns] weight only as scale[:, None] (one "
+             "value per row, broadcast over the columns); scale of shape [columns] (amax over dim=0) or a "
+             "bare `* scale` pairs each COLUMN with a scale")
+
+
+def _call(fn, name, *args):
+    """chapter.call, with the hint for the usual shape mistake when the shapes do not broadcast."""
+    try:
+        return chapter.call(fn, name, *args)
+    except CheckFailed as e:
+        if "must match the size of tensor" in str(e) or "broadcast" in str(e):
+            raise CheckFailed(f"{e}\n{ROWS_HINT}") from None
+        raise
 
 
 def _hint_codes(mine, ref, scale) -> str:
@@ -81,7 +97,7 @@ def check_fp8(quantize, dequantize):
     dequantize = chapter.pick(dequantize, "dequantize_fp8")
     for name, w in _cases():
         ref_q, ref_s = quantize_fp8(w)
-        got = chapter.call(quantize, "quantize_fp8", w.clone())
+        got = _call(quantize, "quantize_fp8", w.clone())
         if not (isinstance(got, tuple) and len(got) == 2):
             raise CheckFailed(f"quantize_fp8 ({name}) must return (codes, scale), got {type(got).__name__}")
         q, s = got
@@ -102,7 +118,7 @@ def check_fp8(quantize, dequantize):
             raise CheckFailed(f"quantize_fp8 ({name}): code at {bad} is {q.float()[tuple(bad)].item()}, expected "
                               f"{ref_q.float()[tuple(bad)].item()} (w = {w.float()[tuple(bad)].item():.6g}, "
                               f"scale {ref_s[bad[0]].item():.6g}).\nHint: {_hint_codes(q, ref_q, ref_s)}")
-        back = chapter.call(dequantize, "dequantize_fp8", ref_q, ref_s)
+        back = _call(dequantize, "dequantize_fp8", ref_q, ref_s)
         ref_back = dequantize_fp8(ref_q, ref_s)
         if not torch.is_tensor(back) or back.shape != w.shape or not torch.allclose(back.float(), ref_back, rtol=1e-6, atol=0):
             raise CheckFailed(f"dequantize_fp8 ({name}): does not give the codes times their row's scale.\n"
