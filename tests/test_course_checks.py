@@ -120,7 +120,7 @@ def test_schedule_step_bugs(sol):
             return sol.schedule_step(state)
         finally:
             state.slots.reverse()
-    fails(checks.check_schedule_step, highest_slot_first, "at step", "expected")
+    fails(checks.check_schedule_step, highest_slot_first, "at step", "expected", "LOWEST free slot")
 
     def never_frees(state):
         real = state.allocator.free
@@ -346,35 +346,55 @@ def test_kv_generate(tiny, sol, monkeypatch):
         for _ in range(n - 1):
             out.append(int(run(cache, table, [out[-1]], len(prompt)).argmax()))
         return out, len(prompt) + n - 1
-    fails(lambda f: checks.check_kv_generate(f, llm), wrong_position, "pagedlab's engine gives")
+    fails(lambda f: checks.check_kv_generate(f, llm), wrong_position, "pagedlab's engine gives",
+          "decode step 2 fed position", "P + i - 1")
+
+    def feeds_prompt_end(prompt, n):                # decodes from the prompt's last token every step
+        cache, table = new_cache(len(prompt) + n)
+        out = [int(run(cache, table, prompt, 0).argmax())]
+        for i in range(n - 1):
+            out.append(int(run(cache, table, [prompt[-1]], len(prompt) + i).argmax()))
+        return out, len(prompt) + n - 1
+    fails(lambda f: checks.check_kv_generate(f, llm), feeds_prompt_end, "fed token", "out[-1]")
 
 
 # -- notebook 06: the decode kernel's loop -----------------------------------------------------------
 
-def test_decode_one(sol):
+def _decode_one_with(kv_head=None, table=True, extra=0, scale_pow=1, rescale_acc=True, rescale_l=True, divide=True):
+    """The course's decode_one loop with one thing done another way."""
+    import math
+
     import torch
+
+    def decode_one(q, k, v, row, length, head, scale):
+        bs, head = k.shape[1], head if kv_head is None else kv_head
+        m, l, acc = float("-inf"), 0.0, torch.zeros_like(q, dtype=torch.float32)
+        for n in range(max(1, length + extra)):
+            block = row[n // bs] if table else n // bs
+            s = float(q.float() @ k[block, n % bs, head].float()) * scale ** scale_pow
+            m_new = max(m, s)
+            alpha, p = math.exp(m - m_new), math.exp(s - m_new)
+            l = l * (alpha if rescale_l else 1.0) + p
+            acc = acc * (alpha if rescale_acc else 1.0) + p * v[block, n % bs, head].float()
+            m = m_new
+        return acc / l if divide else acc
+    return decode_one
+
+
+def test_decode_one(sol):
     assert checks.check_decode_one(sol.decode_one) is sol.decode_one
+    assert checks.check_decode_one(_decode_one_with()) is not None          # the helper itself is right
     fails(checks.check_decode_one, stub, "not written yet")
-
-    def query_head_as_kv_head(q, k, v, row, length, kv_head, scale):     # ignores GQA: always KV head 0
-        return sol.decode_one(q, k, v, row, length, 0, scale)
-    fails(checks.check_decode_one, query_head_as_kv_head, "kv_head", "off by")
-
-    def contiguous(q, k, v, row, length, kv_head, scale):                # ignores the block table
-        return sol.decode_one(q, k, v, list(range(len(row))), length, kv_head, scale)
-    fails(checks.check_decode_one, contiguous, "row[n // block_size]")
-
-    def no_rescale(q, k, v, row, length, kv_head, scale):               # forgets exp(m_old - m_new)
-        bs = k.shape[1]
-        s = torch.stack([q @ k[row[n // bs], n % bs, kv_head] * scale for n in range(length)])
-        p = torch.exp(s - s[0])
-        vals = torch.stack([v[row[n // bs], n % bs, kv_head] for n in range(length)])
-        return (p[:, None] * vals).sum(0) / p.sum() * (1 + (s.max() > s[0]).float())
-    fails(checks.check_decode_one, no_rescale, "off by")
-
-    def one_key_short(q, k, v, row, length, kv_head, scale):
-        return sol.decode_one(q, k, v, row, max(1, length - 1), kv_head, scale)
-    fails(checks.check_decode_one, one_key_short, "off by")
+    for bug, words in [(dict(kv_head=0), ["attention over KV head 0", "kv_head argument"]),
+                       (dict(table=False), ["blocks 0, 1, 2", "row[n // block_size]"]),
+                       (dict(extra=-1), ["keys: attend to all `length` keys"]),
+                       (dict(scale_pow=0), ["not scaled"]),
+                       (dict(scale_pow=2), ["scale applied twice"]),
+                       (dict(rescale_acc=False), ["acc is not rescaled"]),
+                       (dict(rescale_l=False), ["l is not rescaled"]),
+                       (dict(rescale_acc=False, rescale_l=False), ["neither acc nor l"]),
+                       (dict(divide=False), ["return acc / l"])]:
+        fails(checks.check_decode_one, _decode_one_with(**bug), "off by", *words)
 
 
 # -- the course's fast SmolLM2 ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ pagedlab's `Scheduler`, without chunked prefill, token budgets or sampling.
 """
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -250,6 +251,7 @@ def pagedlab_schedule(workload, num_slots: int, num_blocks: int, block_size: int
 
 def _snapshot_pagedlab(sched, finished):
     return dict(queue=[r.request_id for r in sched.waiting],
+                slots=[r.request_id if r else None for r in sched.slots],
                 rows=[len(r.blocks) if r else 0 for r in sched.slots],
                 ids=[list(r.blocks) if r else [] for r in sched.slots],
                 generated={r.request_id: len(r.output_token_ids) for r in sched.slots if r},
@@ -258,6 +260,7 @@ def _snapshot_pagedlab(sched, finished):
 
 def _snapshot_toy(state):
     return dict(queue=[s.rid for s in state.queue],
+                slots=[s.rid if s else None for s in state.slots],
                 rows=[len(s.blocks) if s else 0 for s in state.slots],
                 ids=[list(s.blocks) if s else [] for s in state.slots],
                 generated={s.rid: s.generated for s in state.slots if s},
@@ -320,6 +323,10 @@ def _diagnose(key, got, want, state) -> str:
         return (f"Hint: {', '.join(f'req {r}' for r in holding)} is back in the queue but still holds blocks. "
                 "When make_room preempts `seq` itself it must return False at once: `seq` has no slot to grow "
                 "in, so nothing is allocated for it.")
+    if got["slots"] != want["slots"] and sorted(got["slots"], key=str) == sorted(want["slots"], key=str):
+        return (f"Hint: the same requests run, in other slots (yours {got['slots']}, pagedlab's "
+                f"{want['slots']}): a new request takes the LOWEST free slot, state.slots.index(None), and "
+                "keeps it until it stops or is preempted.")
     late = [r for r in want["finished"] if r not in got["finished"]]
     early = [r for r in got["finished"] if r not in want["finished"]]
     if late:
@@ -426,16 +433,18 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
     cases = cases or [(1, 1), (15, 3), (16, 2), (17, 4), (rng.randint(2, 30), rng.randint(1, 6))]
     model = llm.model
     real_forward = model.forward
-    fed = []
+    fed, calls = [], []                # token-positions per call; (ids, positions) per call
 
-    def counting_forward(ids, *args, **kwargs):
-        fed.append(int(ids.numel()))
-        return real_forward(ids, *args, **kwargs)
+    def counting_forward(input_ids, positions, *args, **kwargs):
+        fed.append(int(input_ids.numel()))
+        calls.append((input_ids.tolist(), positions.tolist()))
+        return real_forward(input_ids, positions, *args, **kwargs)
 
     for plen, n in cases:
         prompt = [rng.randrange(3, min(500, llm.config.vocab_size)) for _ in range(plen)]
         want = llm.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].token_ids
         fed.clear()
+        calls.clear()
         model.forward = counting_forward
         try:
             got = chapter.call(fn, "generate_with_cache", list(prompt), n)
@@ -447,8 +456,7 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
         toks, work = got
         if list(toks) != want:
             raise CheckFailed(f"{where}: tokens {list(toks)}, pagedlab's engine gives {want}.\n"
-                              "Hint: the prefill feeds the prompt at positions 0..P-1 and its last logits give "
-                              "token 1; each decode feeds the previous token at position P + i - 1.")
+                              f"Hint: {_kv_generate_hint(calls, prompt, list(toks))}")
         if sum(fed) != plen + n - 1:
             raise CheckFailed(f"{where}: the model was fed {sum(fed)} token-positions in {len(fed)} calls "
                               f"({fed}); with a cache it needs {plen + n - 1}: the prompt once, then one "
@@ -458,6 +466,29 @@ def check_kv_generate(fn, llm, cases=None, seed: int = 0):
     chapter.passed("generate_with_cache", f"{len(cases)} prompts: the engine's tokens, the prompt computed once "
             "and one position per step")
     return fn
+
+
+def _kv_generate_hint(calls, prompt, toks) -> str:
+    """The likely bug behind wrong tokens, read from what reached model.forward: the positions and
+    the tokens fed, call by call, against the prompt once at 0..P-1, then each new token at P + i - 1."""
+    P = len(prompt)
+    if calls and calls[0][0] != list(prompt):
+        return (f"the first call fed {calls[0][0][:8]}{'...' if len(calls[0][0]) > 8 else ''}: the prefill "
+                "feeds the whole prompt, and its last position's logits give the first new token.")
+    if calls and calls[0][1] != list(range(P)):
+        return f"the prefill fed positions {calls[0][1][:8]}...: the prompt sits at positions 0..{P - 1}."
+    for i, (ids, pos) in enumerate(calls[1:], start=1):
+        if len(ids) != 1:
+            break                                            # recomputing: the count check says so
+        if pos != [P + i - 1]:
+            return (f"decode step {i} fed position {pos[0]}, expected {P + i - 1}: the token made in step i "
+                    f"goes in at position P + i - 1 (P = {P}), one further each step -- the cache is read up "
+                    "to it, and RoPE turns it by it.")
+        if i - 1 < len(toks) and ids[0] != toks[i - 1]:
+            return (f"decode step {i} fed token {ids[0]}, but the token made before it was {toks[i - 1]}: "
+                    "feed the token the previous step chose (out[-1]).")
+    return ("the positions and tokens fed look right: take each next token from the last position's logits "
+            "(argmax), and keep ONE cache and block table for the whole loop.")
 
 
 # -- notebook 06: the decode kernel's loop, in plain torch ---------------------------------------
@@ -497,11 +528,71 @@ def check_decode_one(fn, trials: int = 12, seed: int = 0):
                     raise CheckFailed(
                         f"decode_one(length={n}, block_size={bs}, row={row}, kv_head={h // group} of {hkv}): "
                         f"off by up to {err:.3g}.\nexpected {ref[b, h][:4].tolist()} ..., got "
-                        f"{got.float()[:4].tolist()} ...\nHint: key n is k[row[n // block_size], "
-                        f"n % block_size, kv_head]; scores are (q . k) * scale; keep the running max m, "
-                        f"the sum l and acc, rescaling both by exp(m_old - m_new) when m grows.")
+                        f"{got.float()[:4].tolist()} ...\nHint: "
+                        f"{_decode_one_hint(q[b, h], k, v, row, n, h // group, scale, got.float())}")
     chapter.passed("decode_one", f"{trials} random paged caches agree with pagedlab's decode_attention_torch")
     return fn
+
+
+def _decode_one_hint(q, k, v, row, length, kv_head, scale, got) -> str:
+    """The likely bug behind a wrong decode_one: the output recomputed with one thing done another
+    way (another KV head, no block table, a key more or less, another scale, the online softmax's
+    rescale or final division left out); the one that matches names the bug."""
+    import torch
+    bs, hkv = k.shape[1], k.shape[2]
+
+    def keys(n, table=True):
+        return [(row[i // bs] if table else i // bs, i % bs) for i in range(n)]
+
+    def softmax_attn(idx, head=kv_head, sc=scale):
+        kk = torch.stack([k[b, r, head] for b, r in idx]).float()
+        vv = torch.stack([v[b, r, head] for b, r in idx]).float()
+        return torch.softmax((kk @ q.float()) * sc, 0) @ vv
+
+    def online(rescale_acc=True, rescale_l=True, divide=True):
+        m, l, acc = float("-inf"), 0.0, torch.zeros(q.shape[0])
+        for b, r in keys(length):
+            s = float(q.float() @ k[b, r, kv_head].float()) * scale
+            m_new = max(m, s)
+            alpha, p = math.exp(m - m_new), math.exp(s - m_new)
+            l = l * (alpha if rescale_l else 1.0) + p
+            acc = acc * (alpha if rescale_acc else 1.0) + p * v[b, r, kv_head].float()
+            m = m_new
+        return acc / l if divide else acc
+
+    d = q.shape[0]
+    variants = [(f"that is attention over KV head {h}: read k[..., kv_head, :] with the kv_head argument "
+                 f"({kv_head}; query head i reads KV head i // group)", lambda h=h: softmax_attn(keys(length), head=h))
+                for h in range(hkv) if h != kv_head]
+    variants += [
+        ("the keys were read from blocks 0, 1, 2, ... in order: go through the block table, "
+         "block = row[n // block_size]", lambda: softmax_attn(keys(length, table=False))),
+        (f"that is attention over the first {length - 1} keys: attend to all `length` keys, n in range(length)",
+         lambda: softmax_attn(keys(length - 1)) if length > 1 else None),
+        (f"that is attention over {length + 1} keys: attend to n in range(length), not one more",
+         lambda: softmax_attn(keys(length + 1)) if length < len(row) * bs else None),
+        ("the scores are not scaled: s = (q . k) * scale", lambda: softmax_attn(keys(length), sc=1.0)),
+        ("the scores are divided by scale: s = (q . k) * scale (scale is already 1/sqrt(D))",
+         lambda: softmax_attn(keys(length), sc=1 / scale)),
+        (f"scale applied twice: s = (q . k) * scale once (scale = {scale:.4g})",
+         lambda: softmax_attn(keys(length), sc=scale * scale)),
+        ("acc is not rescaled when the max grows: acc = acc * exp(m_old - m_new) + p * v, like l",
+         lambda: online(rescale_acc=False)),
+        ("l is not rescaled when the max grows: l = l * exp(m_old - m_new) + p, like acc",
+         lambda: online(rescale_l=False)),
+        ("neither acc nor l is rescaled when the max grows: multiply both by exp(m_old - m_new)",
+         lambda: online(rescale_acc=False, rescale_l=False)),
+        ("the result is not normalized: return acc / l", lambda: online(divide=False)),
+    ]
+    for why, make in variants:
+        try:
+            alt = make()
+        except (IndexError, RuntimeError):
+            continue
+        if alt is not None and alt.shape == (d,) and torch.allclose(got, alt, atol=1e-4, rtol=1e-4):
+            return why
+    return ("key n is k[row[n // block_size], n % block_size, kv_head]; scores are (q . k) * scale; keep the "
+            "running max m, the sum l and acc, rescaling both by exp(m_old - m_new) when m grows.")
 
 
 # -- notebook 04: a Triton kernel the learner completes ------------------------------------------------
