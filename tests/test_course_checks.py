@@ -152,20 +152,7 @@ def test_schedule_step_bugs(sol):
 
 def test_make_room_bugs(sol):
     def oldest(state, seq):
-        need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
-        while need > state.allocator.num_free:
-            victim = state.running[0]
-            state.allocator.free(victim.blocks)
-            victim.blocks = []
-            state.slots[state.slots.index(victim)] = None
-            state.running.remove(victim)
-            state.queue.appendleft(victim)
-            state.preempted.append(victim.rid)
-            if victim is seq:
-                return False
-        if need > 0:
-            seq.blocks += state.allocator.allocate(seq.rid, need)
-        return True
+        return checks.make_room_preempting(state, seq, which=0)
     fails(checks.check_make_room, oldest, "preempted", "newest")
 
     def back_of_queue(state, seq):

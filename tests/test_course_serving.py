@@ -50,7 +50,7 @@ def whole_body(chunks):                  # right events, but nothing until the s
             yield json.loads(ev[6:])
 
 
-@pytest.mark.parametrize("fn, words", [(per_chunk, "Hint:"), (whole_body, "as soon as")])
+@pytest.mark.parametrize("fn, words", [(per_chunk, "keep the unfinished rest in a buffer"), (whole_body, "as soon as")])
 def test_wrong_parsers_fail_with_a_hint(fn, words):
     with pytest.raises(CheckFailed) as e:
         course_serving.check_sse_events(fn)

@@ -223,11 +223,5 @@ def time_ms(fn, repeat: int = 5, warmup: int = 1):
 def load_h200_bench(path=None) -> dict | None:
     """docs/kernels_bench.json (the lab's H200 run of `python -m pagedlab bench kernels`; notebook
     06 sets it beside pagedlab.kernels.decode_costs), or None when this pagedlab lacks it."""
-    import json
-    from pathlib import Path
-
-    from .data import path as course_file
-    p = course_file("kernels_bench.json") if path is None else Path(path)
-    if p is None or not p.exists():
-        return None
-    return json.loads(p.read_text())
+    from .data import load_json
+    return load_json("kernels_bench.json", path)

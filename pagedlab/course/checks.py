@@ -184,7 +184,7 @@ def reference_step(state: EngineState, make_room=None) -> list:
     filled from the queue (lowest slot first, while the front request's blocks fit), then every
     request in a slot makes one token; those that are done stop and free their blocks.
     Returns the request id in each slot as the step ran (None: idle)."""
-    make_room = make_room or _reference_make_room
+    make_room = make_room or make_room_preempting
     for seq in list(state.running):
         if seq in state.running:
             make_room(state, seq)
@@ -209,10 +209,13 @@ def reference_step(state: EngineState, make_room=None) -> list:
     return ran
 
 
-def _reference_make_room(state, seq) -> bool:
+def make_room_preempting(state, seq, which: int = -1) -> bool:
+    """The course's make_room: room for `seq`'s next token, preempting state.running[which] while
+    the pool is short (-1: the newest, pagedlab's rule; 0: the oldest, notebook 10's exercise 2).
+    True if `seq` keeps its slot."""
     need = blocks_needed(seq.num_tokens, state.block_size) - len(seq.blocks)
     while need > state.allocator.num_free:
-        victim = state.running[-1]
+        victim = state.running[which]
         state.allocator.free(victim.blocks)
         victim.blocks = []
         state.slots[state.slots.index(victim)] = None

@@ -31,7 +31,6 @@ the learner's code.
 """
 from __future__ import annotations
 
-import json
 import math
 import multiprocessing
 import os
@@ -299,11 +298,12 @@ def _failure(name, outs, hint="") -> str | None:
             "tensors of the same shape: a collective waits until every rank has joined it.")
 
 
-def run_ranks(job, size: int = SIZE, timeout_s: float = TIMEOUT_S):
+def run_ranks(job, size: int = SIZE, timeout_s: float = TIMEOUT_S, name: str | None = None, hint: str | None = None):
     """Run job(comm) on `size` ranks at once (see `Comm`); returns [what each rank returned], in rank
-    order. Raises CheckFailed, with each rank's error, if any rank raised."""
+    order. Raises CheckFailed, with each rank's error, if any rank raised (`name`: what to call the
+    job in it; `hint`: said when the job's own code raised)."""
     outs = _run(job, size, timeout_s)
-    msg = _failure(getattr(job, "__name__", "job"), outs)
+    msg = _failure(name or getattr(job, "__name__", "job"), outs, hint)
     if msg:
         raise CheckFailed(msg)
     return [o["result"] for o in outs]
@@ -463,6 +463,22 @@ def _linear_cases(seed, size):
     return cases
 
 
+def _run_cases(name, cases, where, call, hint):
+    """call(comm, case) for every case on SIZE ranks, in one run: per rank, per case, (what it returned,
+    recorded; how many times it called all_reduce). A rank that raised, hung or missed a collective
+    -> CheckFailed (with `hint` where the learner's code raised)."""
+    def job(comm):
+        outs = []
+        for i, case in enumerate(cases):
+            comm.where = f"case {i}: {where(case)}"
+            before = comm.calls["all_reduce"]
+            y = call(comm, case)
+            outs.append((_record(y), comm.calls["all_reduce"] - before))
+        return outs
+
+    return run_ranks(job, name=name, hint=hint)
+
+
 def check_column_parallel(fn, seed: int = 0):
     """fn(x, w_shard) -> this rank's slice of the output features [T, out/N], as
     parallel.shard.column_parallel_linear, on 2 ranks. Returns the function that passed."""
@@ -470,23 +486,14 @@ def check_column_parallel(fn, seed: int = 0):
     fn = chapter.pick(fn, name)
     size = SIZE
     cases = _linear_cases(seed, size)
-
-    def job(comm):
-        outs = []
-        for i, (what, x, w) in enumerate(cases):
-            comm.where = f"case {i}: {what}"
-            outs.append(_record(fn(x.float(), ref.shard(w.float(), "rows", comm.rank, comm.size))))
-        return outs
-
-    outs = _run(job, size)
-    msg = _failure(name, outs, "y_r = x @ w_shard.t(): w_shard is [out/N, in] (rows of W), x is [T, in].")
-    if msg:
-        raise CheckFailed(msg)
+    outs = _run_cases(name, cases, lambda c: c[0],
+                      lambda comm, c: fn(c[1].float(), ref.shard(c[2].float(), "rows", comm.rank, comm.size)),
+                      "y_r = x @ w_shard.t(): w_shard is [out/N, in] (rows of W), x is [T, in].")
     for i, (what, x, w) in enumerate(cases):
         full = x @ w.t()
         for rank in range(size):
             want = ref.shard(full, "cols", rank, size)       # this rank's output features
-            got = outs[rank]["result"][i]
+            got = outs[rank][i][0]
             if _close(got, want):
                 continue
             t, out_f, in_f = x.shape[0], w.shape[0], w.shape[1]
@@ -521,25 +528,14 @@ def check_row_parallel(fn, seed: int = 1):
     fn = chapter.pick(fn, name)
     size = SIZE
     cases = _linear_cases(seed, size)
-
-    def job(comm):
-        outs = []
-        for i, (what, x, w) in enumerate(cases):
-            comm.where = f"case {i}: {what}"
-            before = comm.calls["all_reduce"]
-            y = fn(ref.shard(x.float(), "cols", comm.rank, comm.size), ref.shard(w.float(), "cols", comm.rank, comm.size),
-                   comm.all_reduce)
-            outs.append((_record(y), comm.calls["all_reduce"] - before))
-        return outs
-
-    outs = _run(job, size)
-    msg = _failure(name, outs, "y_r = x_shard @ w_shard.t() ([T, in/N] @ [in/N, out]), then all_reduce(y_r).")
-    if msg:
-        raise CheckFailed(msg)
+    outs = _run_cases(name, cases, lambda c: c[0],
+                      lambda comm, c: fn(ref.shard(c[1].float(), "cols", comm.rank, comm.size),
+                                         ref.shard(c[2].float(), "cols", comm.rank, comm.size), comm.all_reduce),
+                      "y_r = x_shard @ w_shard.t() ([T, in/N] @ [in/N, out]), then all_reduce(y_r).")
     for i, (what, x, w) in enumerate(cases):
         want = x @ w.t()
         for rank in range(size):
-            got, calls = outs[rank]["result"][i]
+            got, calls = outs[rank][i]
             if _close(got, want):
                 continue
             t, out_f, in_f = x.shape[0], w.shape[0], w.shape[1]
@@ -591,26 +587,16 @@ def check_vocab_embedding(fn, seed: int = 2):
     fn = chapter.pick(fn, name)
     size = SIZE
     cases = _embedding_cases(seed, size)
-
-    def job(comm):
-        outs = []
-        for i, (what, ids, e) in enumerate(cases):
-            comm.where = f"case {i}: ids {ids.tolist()}"
-            before = comm.calls["all_reduce"]
-            y = fn(ids.clone(), ref.shard(e.float(), "rows", comm.rank, comm.size), comm.rank, comm.all_reduce)
-            outs.append((_record(y), comm.calls["all_reduce"] - before))
-        return outs
-
-    outs = _run(job, size)
-    msg = _failure(name, outs, "rank r holds token ids r*n .. (r+1)*n - 1 (n = embed_shard.shape[0]): look up "
-                               "ids - r*n where that is in [0, n), zeros elsewhere, then all_reduce.")
-    if msg:
-        raise CheckFailed(msg)
+    outs = _run_cases(name, cases, lambda c: f"ids {c[1].tolist()}",
+                      lambda comm, c: fn(c[1].clone(), ref.shard(c[2].float(), "rows", comm.rank, comm.size),
+                                         comm.rank, comm.all_reduce),
+                      "rank r holds token ids r*n .. (r+1)*n - 1 (n = embed_shard.shape[0]): look up "
+                      "ids - r*n where that is in [0, n), zeros elsewhere, then all_reduce.")
     for i, (what, ids, e) in enumerate(cases):
         want = e[ids]
         n = e.shape[0] // size
         for rank in range(size):
-            got, calls = outs[rank]["result"][i]
+            got, calls = outs[rank][i]
             if _close(got, want):
                 continue
             call = f"{name}(ids {ids.tolist()}, embed_shard [{n}, {e.shape[1]}] (ids {rank * n}..{rank * n + n - 1}), rank={rank}, all_reduce)"
@@ -730,15 +716,12 @@ def check_tp_layer(layer_fn, config=None, seed: int = 0):
             return ("not a tensor", f"{type(out).__name__} (expected a tuple (h_out, k, v))", repr(out)[:80])
         return tuple(_record(o) for o in out) + (comm.calls["all_reduce"],)
 
-    outs = _run(job, size)
-    msg = _failure(name, outs, "run the layer's pieces in order: norm, q/k/v column-parallel, RoPE, attention "
-                               "over this rank's heads, O row-parallel, + h; norm, gate/up column-parallel, "
-                               "SwiGLU, down row-parallel, + h.")
-    if msg:
-        raise CheckFailed(msg)
+    outs = run_ranks(job, size, name=name, hint="run the layer's pieces in order: norm, q/k/v column-parallel, "
+                     "RoPE, attention over this rank's heads, O row-parallel, + h; norm, gate/up column-parallel, "
+                     "SwiGLU, down row-parallel, + h.")
     hk = config.num_kv_heads // size
     for rank in range(size):
-        res = outs[rank]["result"]
+        res = outs[rank]
         if isinstance(res, tuple) and res and res[0] == "not a tensor":
             raise CheckFailed(f"{name} returned {res[1]} on rank {rank}: return (h_out, k, v).")
         got_h, got_k, got_v, calls = res
@@ -788,11 +771,5 @@ def model_config(model: str) -> ModelConfig:
 
 def load_parallel_bench(path: str | Path | None = None) -> dict | None:
     """docs/parallel_bench.json (the lab's run on two H200s), or None when it is not there."""
-    if path is None:
-        from .data import path as course_file
-        p = course_file("parallel_bench.json")
-    else:
-        p = Path(path)
-    if p is None or not p.exists():
-        return None
-    return json.loads(p.read_text())
+    from .data import load_json
+    return load_json("parallel_bench.json", path)

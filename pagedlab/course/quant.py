@@ -14,7 +14,6 @@ PAGEDLAB_SOLUTIONS=1 the check runs them instead of the learner's code.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -148,15 +147,8 @@ def check_fp8(quantize, dequantize):
 
 def load_fp8_speed(path: str | Path | None = None) -> dict | None:
     """docs/fp8_speed.json (the lab's run on an H200: bench fp8), or None when it is not here."""
-    if path is None:
-        from .data import path as course_file
-        p = course_file("fp8_speed.json")
-        if p is None:
-            clone = Path(__file__).resolve().parents[1] / "docs" / "fp8_speed.json"
-            p = clone if clone.is_file() else None
-    else:
-        p = Path(path)
-    return json.loads(p.read_text()) if p is not None and p.is_file() else None
+    from .data import load_json
+    return load_json("fp8_speed.json", path)
 
 
 def weight_bytes_per_token(config, bytes_per_weight: float) -> dict:

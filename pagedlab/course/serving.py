@@ -303,16 +303,15 @@ def draw_core_split():
 def served_table() -> list[dict]:
     """The committed H200 measurement of docs/serving.md: the same 512-request workload through
     four servers and offline (docs/serve_core_*.json): one row per server and rate."""
-    from .data import path
+    from .data import load_json
     rows = []
     for name, label in (("before_stream", "before: engine thread, SSE"),
                         ("thread_stream", "engine thread + new output path, SSE"),
                         ("process_stream", "engine core process, SSE"),
                         ("process_whole", "engine core process, whole answers")):
-        p = path(f"serve_core_{name}.json")
-        if p is None:
+        d = load_json(f"serve_core_{name}.json")
+        if d is None:
             continue
-        d = json.loads(p.read_text())
         for r in d["results"]:
             rows.append(dict(server=label, rate=r["rate"], tokens_per_s=r["output_throughput"],
                              ttft_p99_ms=r["ttft_ms"]["p99"], tpot_p50_ms=r["tpot_ms"]["p50"]))

@@ -14,7 +14,6 @@ PAGEDLAB_SOLUTIONS=1 the checks run them instead of the learner's code.
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -127,12 +126,5 @@ def check_accept(fn):
 
 def load_spec_bench(path: str | Path | None = None) -> dict | None:
     """docs/spec_h200.json (the lab's `bench spec` runs on an H200), or None when it is not here."""
-    if path is None:
-        from .data import path as course_file
-        p = course_file("spec_h200.json")
-        if p is None:
-            clone = Path(__file__).resolve().parents[2] / "docs" / "spec_h200.json"
-            p = clone if clone.is_file() else None
-    else:
-        p = Path(path)
-    return json.loads(p.read_text()) if p is not None and p.is_file() else None
+    from .data import load_json
+    return load_json("spec_h200.json", path)

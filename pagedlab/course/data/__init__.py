@@ -31,3 +31,11 @@ def path(rel: str) -> Path | None:
         if q.is_file():
             return q
     return None
+
+
+def load_json(name: str, file=None) -> dict | None:
+    """A committed measurement, e.g. "fp8_speed.json" (docs/ in a clone), read as a dict -- from
+    `file` when given -- or None when this pagedlab does not have it."""
+    import json
+    p = Path(file) if file is not None else path(name)
+    return json.loads(p.read_text()) if p is not None and p.is_file() else None
