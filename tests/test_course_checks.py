@@ -574,6 +574,9 @@ def test_check_a_chapter_from_the_command_line(tmp_path):
     assert r.returncode == 1 and "defines no make_room" in r.stdout, r.stdout + r.stderr
     r = run("check", "8")
     assert r.returncode == 0 and "\u2713 schedule_step" in r.stdout, r.stdout + r.stderr
+    mine.write_text("def quantize_fp8(w):\n    raise NotImplementedError\n")         # 14 checks two pieces
+    r = run("check", "14", str(mine))
+    assert r.returncode == 1 and "defines no dequantize_fp8" in r.stdout, r.stdout + r.stderr
 
 
 # -- 00: the slot timeline; 09: the engine step ---------------------------------------------------------

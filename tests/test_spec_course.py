@@ -52,7 +52,8 @@ def test_ngram_mistakes_are_named(fn, hint):
         sc.check_ngram(fn)
 
 
-@pytest.mark.parametrize("fn, hint", [(guesses_returned, "one token short|TARGET"), (no_stop, "stop token ends")])
+@pytest.mark.parametrize("fn, hint", [(guesses_returned, "one token short|TARGET"), (no_stop, "stop token ends"),
+                                      (lambda *a: (_ for _ in ()).throw(NotImplementedError("x")), "not written yet")])
 def test_accept_mistakes_are_named(fn, hint):
     with pytest.raises(CheckFailed, match=hint):
         sc.check_accept(fn)

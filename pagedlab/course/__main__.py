@@ -8,9 +8,10 @@ from . import CheckFailed, limit_cpu_threads
 
 
 def chapter_checks() -> dict:
-    """Chapter -> [(piece name, its check)]: what `python -m pagedlab.course check` runs. (05's
+    """Chapter -> [(piece name, or the names of pieces checked together, its check)]: what
+    `python -m pagedlab.course check` runs. (05's
     decode loop is checked in its notebook only: it drives the notebook's model and helpers.)"""
-    from . import checks, parallel, prefix, serving
+    from . import checks, parallel, prefix, quant, serving, spec
     return {
         "00": [("timeline", checks.check_timeline)],
         "01": [("bpe_piece", checks.check_bpe_piece)],
@@ -29,6 +30,8 @@ def chapter_checks() -> dict:
                ("column_parallel_linear", parallel.check_column_parallel),
                ("row_parallel_linear", parallel.check_row_parallel),
                ("vocab_parallel_embedding", parallel.check_vocab_embedding)],
+        "14": [(("quantize_fp8", "dequantize_fp8"), quant.check_fp8)],
+        "15": [("propose_ngram", spec.check_ngram), ("accept", spec.check_accept)],
     }
 
 
@@ -47,15 +50,17 @@ def check_chapter(chapter: str, path: str | None = None) -> int:
     else:
         pieces = runpy.run_path(str(path), run_name="pagedlab_course_pieces")
     failed = 0
-    for name, check in table[chapter]:
-        if path is not None and name not in pieces:
-            print(f"\u2717 {name}: {path} defines no {name}")
+    for names, check in table[chapter]:
+        names = (names,) if isinstance(names, str) else names          # a check of several pieces (14)
+        missing = [n for n in names if path is not None and n not in pieces]
+        if missing:
+            print(f"\u2717 {' / '.join(names)}: {path} defines no {', '.join(missing)}")
             failed += 1
             continue
         try:
-            check(pieces.get(name))
+            check(*(pieces.get(n) for n in names))
         except CheckFailed as e:
-            print(f"\u2717 {name}: {e}")
+            print(f"\u2717 {' / '.join(names)}: {e}")
             failed += 1
     return failed
 
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "list":
         for ch, items in chapter_checks().items():
-            print(ch, ", ".join(n for n, _ in items))
+            print(ch, ", ".join(n if isinstance(n, str) else " / ".join(n) for n, _ in items))
         return 0
     import torch
     if not torch.cuda.is_available():
