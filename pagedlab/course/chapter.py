@@ -90,21 +90,25 @@ class Chapter:
                 f"Fill in the cell above and run it, then this check again. Stuck? "
                 f"{self.module}.show_solution({name.split('.')[0]!r}) prints one.")
 
+    def raised(self, name: str, e: BaseException, where: str | None = None, then: str = "") -> CheckFailed:
+        """The CheckFailed for an error `e` from the learner's piece `name`: a stub's message for
+        NotImplementedError, else "<where> raised <type>: <e>" followed by `then` (the case, a hint)."""
+        if isinstance(e, CheckFailed):
+            return e
+        if isinstance(e, NotImplementedError):
+            return CheckFailed(self.not_written(name, e))
+        if isinstance(e, OutOfBlocks) and not then:
+            then = (".\nHint: it asked the allocator for more blocks than are free. A request's blocks fit when "
+                    "blocks_needed(seq.num_tokens, block_size) - len(seq.blocks) <= allocator.num_free: check that "
+                    "before allocate (an off-by-one there asks for a block that is not there).")
+        return CheckFailed(f"{where or name} raised {type(e).__name__}: {str(e)[:500]}{then}")
+
     def call(self, fn, name: str, *args, **kwargs):
         """Call the learner's function; a stub or a crash becomes a CheckFailed naming it."""
         try:
             return fn(*args, **kwargs)
-        except CheckFailed:
-            raise
-        except NotImplementedError as e:
-            raise CheckFailed(self.not_written(name, e)) from None
-        except OutOfBlocks as e:
-            raise CheckFailed(f"{name} raised {type(e).__name__}: {e}.\nHint: it asked the allocator for more "
-                              "blocks than are free. A request's blocks fit when blocks_needed(seq.num_tokens, "
-                              "block_size) - len(seq.blocks) <= allocator.num_free: check that before allocate "
-                              "(an off-by-one there asks for a block that is not there).") from None
         except Exception as e:
-            raise CheckFailed(f"{name} raised {type(e).__name__}: {e}") from None
+            raise self.raised(name, e) from None
 
     @staticmethod
     def passed(name: str, what: str) -> None:

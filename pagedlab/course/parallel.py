@@ -411,11 +411,8 @@ def check_shard(fn, seed: int = 0):
             call = f"shard(tensor of shape {list(shape)}, {rule!r}, rank={rank}, size={size})"
             try:
                 got = fn(t, rule, rank, size)
-            except NotImplementedError as e:
-                raise CheckFailed(chapter.not_written(name, e)) from None
             except Exception as e:                                  # noqa: BLE001
-                raise CheckFailed(f"{call} raised {type(e).__name__}: {e}\n"
-                                  f"Hint: {_shard_hint(t, rule, rank, size, None)}") from None
+                raise chapter.raised(name, e, call, f"\nHint: {_shard_hint(t, rule, rank, size, None)}") from None
             if not (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)):
                 raise CheckFailed(f"{call}\n  expected shape {list(want.shape)}: {want.flatten()[:8].tolist()}...\n"
                                   f"  got      shape {_shape(got)}"

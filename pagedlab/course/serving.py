@@ -162,14 +162,9 @@ def check_sse_events(fn, trials: int = 12, seed: int = 0):
                     if first_at is None:
                         first_at = feed.taken
                     got.append(obj)
-            except CheckFailed:
-                raise
-            except NotImplementedError as e:
-                raise CheckFailed(chapter.not_written(name, e)) from None
             except Exception as e:
-                raise CheckFailed(f"{name} raised {type(e).__name__}: {e}\n  case: {what}\n"
-                                  f"  chunks: {_short(chunks)}\n"
-                                  f"Hint: {HINTS[next(iter(var), how)]}") from None
+                raise chapter.raised(name, e, then=f"\n  case: {what}\n  chunks: {_short(chunks)}\n"
+                                                   f"Hint: {HINTS[next(iter(var), how)]}") from None
             if got != objs:
                 bad = next((i for i, (a, b) in enumerate(zip(got, objs)) if a != b), min(len(got), len(objs)))
                 raise CheckFailed(
