@@ -33,17 +33,22 @@ class AttentionMetadata:
 
 
 def attend(kernels, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] for this step's tokens (their K/V already stored) -> attention output [T, Hq, D]."""
-    n = meta.num_prefill_tokens
-    if meta.num_decode_tokens == 0:
+    """q [T, Hq, D] for this step's tokens (their K/V already stored) -> attention output [T, Hq, D].
+    Rows past the prefill and decode tokens (the runner's padding up to a bucketed row count)
+    attend to nothing: their output is zeros."""
+    n, d = meta.num_prefill_tokens, meta.num_decode_tokens
+    padded = n + d < q.shape[0]
+    if d == 0 and not padded:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_table,
                                          meta.cu_seqlens_q, meta.prefill_seq_lens, scale, meta.max_q_len)
-    if n == 0:
+    if n == 0 and not padded:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_table,
                                         meta.decode_seq_lens, scale, meta.max_seq_len)
-    out = torch.empty_like(q)
-    out[:n] = kernels.prefill_attention(q[:n], k_cache, v_cache, meta.prefill_block_table,
-                                        meta.cu_seqlens_q, meta.prefill_seq_lens, scale, meta.max_q_len)
-    out[n:] = kernels.decode_attention(q[n:], k_cache, v_cache, meta.decode_block_table,
-                                       meta.decode_seq_lens, scale, meta.max_seq_len)
+    out = torch.zeros_like(q) if padded else torch.empty_like(q)
+    if n:
+        out[:n] = kernels.prefill_attention(q[:n], k_cache, v_cache, meta.prefill_block_table,
+                                            meta.cu_seqlens_q, meta.prefill_seq_lens, scale, meta.max_q_len)
+    if d:
+        out[n:n + d] = kernels.decode_attention(q[n:n + d], k_cache, v_cache, meta.decode_block_table,
+                                                meta.decode_seq_lens, scale, meta.max_seq_len)
     return out

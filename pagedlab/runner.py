@@ -6,6 +6,8 @@
   * Packing: each prefill's chunk of new tokens, then one token per decode, in flat tensors that
     reach the device in one copy; logits are computed only where a next token is due.
   * Where each new token's K/V goes (its KV slot) is computed in one place, `kv_slots`.
+  * On CUDA an eager step's rows are padded with padding tokens up to one of a few row counts
+    (kernels/row_buckets.py: cuBLAS pays for every new shape), once, on the host lists.
   * Decode-only steps replay a captured CUDA graph instead of launching ~100 kernels
     (cuda_graph.py); greedy tokens are chosen inside the graph.
   * Sampling runs on the device; the chosen ids are the step's one device -> host read.
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
+from .kernels.row_buckets import bucket_rows
 from .kv_cache import BlockTable, blocks_needed
 from .sampling import TokenLogprob, apply_penalties, sample, token_counts
 
@@ -92,6 +95,8 @@ class ModelRunner:
         self.device = model.device
         self.block_table = BlockTable(max_num_seqs, blocks_needed(max_model_len, self.block_size),
                                       self.device, kv_cache.null_block)
+        # eager steps run at a bucketed row count on CUDA (padding tokens, see _host_inputs)
+        self.pad_rows = self.device.type == "cuda"
         self.graphs = None
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
             from .cuda_graph import DecodeGraphs
@@ -195,6 +200,11 @@ class ModelRunner:
             d_slots = [r.slot for r in batch.decode]
         logit_rows += range(cu[-1], cu[-1] + len(d_lens))
         p_slots = [r.slot for r in batch.prefill]
+        pad = bucket_rows(len(ids)) - len(ids) if self.pad_rows else 0
+        if pad:           # padding tokens up to a bucket (kernels/row_buckets.py): every kernel of
+            ids += [0] * pad          # the step then meets one of a few row counts; they store no
+            pos += [0] * pad          # K/V (slot -1), attend to nothing and give no logits
+            slot_mapping += [-1] * pad
         return [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
 
     def _device_inputs(self, parts):

@@ -35,3 +35,50 @@ def test_padded_rows_change_nothing(residual):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
         if residual:                                   # the caller's residual is left as it was
             assert torch.equal(r, before)
+
+
+def test_steps_padded_to_a_bucket_give_the_same_tokens_and_cache():
+    """The runner pads an eager step's rows up to bucket_rows (on CUDA; forced here on the CPU):
+    padding tokens store no K/V, attend to nothing and give no logits, so every request's tokens
+    -- prefill-only, mixed and decode steps, sampled and greedy -- and every byte of the KV pool
+    are those of the unpadded run. (Torch kernels: the Triton kv_store's skip of slot -1 is
+    checked in test_kernels.py.)"""
+    from helpers import tiny_llm
+    from pagedlab import SamplingParams
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(120, 240))] for _ in range(5)]
+    params = [SamplingParams(max_new_tokens=rng.randint(3, 7), ignore_eos=True, temperature=t, seed=i)
+              for i, t in enumerate([0.0, 0.8, 0.0, 1.0, 0.0])]
+    runs = []
+    for pad in (False, True):
+        llm = tiny_llm(dtype="float32", max_num_seqs=3, num_blocks=128, block_size=8, max_num_batched_tokens=600,
+                       attention_backend="torch", cuda_graphs=False, prefix_caching=False)
+        model, seen, forward = llm.engine.model, [], llm.engine.model.forward
+        model.forward = lambda ids, pos, kv, meta, *a, **k: (
+            seen.append((ids.shape[0], meta.num_prefill_tokens + meta.num_decode_tokens)),
+            forward(ids, pos, kv, meta, *a, **k))[1]
+        llm.engine.runner.pad_rows = pad
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)], llm.engine.kv_cache, seen))
+        assert llm.engine.scheduler.allocator.num_used == 0
+    (ref, ref_kv, _), (got, kv, seen) = runs
+    assert got == ref
+    diff = max((a - b).abs().max().item() for a, b in zip(ref_kv.k + ref_kv.v, kv.k + kv.v))
+    assert diff < 1e-5          # fp32: a matmul of more rows may round its last bit differently
+    assert all(rows == bucket_rows(real) for rows, real in seen)
+    assert any(rows > real for rows, real in seen)                  # some steps really were padded
+
+
+def test_padding_rows_attend_to_nothing():
+    """attend() with rows past the step's prefill and decode tokens: those rows are zeros, the
+    others what the unpadded call gives."""
+    from pagedlab.attention import AttentionMetadata, attend
+    from pagedlab.kernels import select_kernels
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, 4, 2, 8, generator=g), torch.randn(2, 4, 2, 8, generator=g)    # 2 blocks of 4
+    table, i32 = torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), lambda x: torch.tensor(x, dtype=torch.int32)
+    meta = AttentionMetadata(torch.arange(3), 3, table[:1], i32([0, 3]), i32([3]), 3, table[1:], i32([6]), 6)
+    q = torch.randn(4 + 5, 4, 8, generator=g)                                           # 3 + 1 rows, 5 padding
+    ops = select_kernels("torch")
+    out = attend(ops, q, k, v, meta, 0.3)
+    assert torch.equal(out[:4], attend(ops, q[:4], k, v, meta, 0.3))
+    assert out[4:].abs().sum() == 0

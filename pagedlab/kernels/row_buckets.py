@@ -9,9 +9,14 @@ at one it had (addmm with the residual: 502 vs 373 us). Llama-3.2-1B runs 65 mat
 step of a new size paid ~10 ms more: the same 512-request burst's mixed steps took 21 ms (p50) in a
 server's first burst and 12 ms in a second offline pass whose step sizes all repeated.
 
-So: past SMALL_ROWS, T is rounded up to one of 8 sizes per power of two (at most 12.5% more rows,
-the padding rows are zeros and their outputs dropped), and every size a process can meet is run
-once, for each weight shape, the first time that shape is used outside a CUDA graph capture
+So: past SMALL_ROWS, T is rounded up to one of 8 sizes per power of two (at most 12.5% more rows).
+The runner pads a whole eager step once, on its host lists (padding tokens that store no K/V and
+attend to nothing, runner._host_inputs), so every kernel of the step already meets a bucketed
+count; `linear_rows` pads (zero rows, outputs dropped) only a matmul that arrives unpadded -- a
+pad per matmul costs two copies, and the ~95 of a step were 2.3 ms of its 18 ms of host time under
+cProfile on the H200 (such a step is launch-bound: 10.4 ms host, 10.6 ms GPU). Every size a
+process can meet is run once, for each weight shape, the first time that shape is used outside a
+CUDA graph capture
 (`_warm`: ~300 sizes; the engine's own warm-up at load comes through here first). Up to
 SMALL_ROWS rows (decode batches) nothing is padded: those sizes are warmed as they are; nor is
 anything inside a CUDA graph capture (a graph's shapes are fixed: cuBLAS chooses once, at capture).
