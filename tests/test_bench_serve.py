@@ -106,7 +106,7 @@ def test_poisson_arrivals_are_seeded():
     (["--rate", "0"], "--rate"), (["--rate", "1,abc"], "--rate"), (["--rate", "nan"], "--rate"),
     (["--num-prompts", "0"], "--num-prompts"), (["--range-ratio", "1"], "--range-ratio"),
     (["--slo-ttft-ms", "-5"], "--slo-ttft-ms"), (["--url", "localhost:8000"], "--url"),
-    (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
+    (["--trace", "/nonexistent/trace.jsonl"], "--trace"), (["--offline-passes", "1"], "--offline-passes"),
 ])
 def test_bad_flags_are_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -157,7 +157,8 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     passes count the same tokens, and both split their steps into prompt and decode-only steps."""
     argv = ["--serve", "--model random:tiny --device cpu --slots 4 --max-model-len 256", "--offline",
             "--rate", "inf", "--num-prompts", "6", "--input-len", "10", "--output-len", "5",
-            "--range-ratio", "0.5", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+            "--range-ratio", "0.5", "--ignore-eos", "--warmup", "0", "--out", str(tmp_path), "--no-progress",
+            "--offline-passes", "3"]
     out = run(argv, capsys)
     data = json.loads((tmp_path / "serve_bench.json").read_text())
     [r] = data["results"]
@@ -166,6 +167,9 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert r["completed"] == 6 and r["total_output_tokens"] == want
     assert off["total_output_tokens"] == off["first_pass"]["total_output_tokens"] == want
     assert math.isclose(r["served_over_offline"], r["output_throughput"] / off["output_throughput"])
+    passes = off["pass_throughputs"]                   # three passes; the median of the last two
+    assert len(passes) == 3 and passes[0] == off["first_pass"]["output_throughput"]
+    assert off["output_throughput"] == min(passes[1:])
     for x in (r, off, off["first_pass"]):
         assert 1 <= x["prompt_steps"] <= 6 and x["decode_steps"] >= 1, x
     assert "served/offline" in out and "decode-only" in out
