@@ -77,6 +77,8 @@ def build_objects(args, sampling: bool = True) -> None:
                             ("max_model_len", getattr(args, "max_model_len", None)),
                             ("quantization", getattr(args, "quantization", None)),
                             ("prefix_caching", getattr(args, "prefix_caching", None)),
+                            ("admit_group", getattr(args, "admit_group", None)),
+                            ("admit_wait", getattr(args, "admit_wait", None)),
                             ("speculative_config", spec_json(args.speculative_config)
                              if getattr(args, "speculative_config", None) else None)):
             if value is not None:
@@ -289,6 +291,11 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
+    s.add_argument("--admit-group", type=int, default=EngineConfig.admit_group, metavar="N",
+                   help="while requests run, admit waiting prompts once min(N, waiting) slots are free, "
+                        "so they share one prompt step (1: any free slot at once)")
+    s.add_argument("--admit-wait", type=int, default=EngineConfig.admit_wait, metavar="STEPS",
+                   help="with --admit-group: hold the queue at most this many steps in a row")
     s.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
     prefix_caching_flag(s)
     s.add_argument("--quantization", default=None, choices=["fp8"],

@@ -329,6 +329,12 @@ class EngineConfig:
                        prompts are prefilled in chunks over several steps.
     policy:            "continuous" (refill a slot as soon as it frees) or "static" (a batch
                        starts together and ends with its longest member).
+    admit_group, admit_wait: continuous batching while requests run: admit waiting prompts only
+                       once min(admit_group, waiting) slots are free, holding them at most
+                       admit_wait steps -- prompts then join one eager step together instead of
+                       costing one eager step each (such a step is launch-bound on the H200: ~10 ms
+                       against ~2 ms for a decode-only graph replay; docs/serving.md, session 10).
+                       1 (default): any free slot at once.
     attention_backend: "torch" (plain torch, CPU and GPU), "triton", or "auto" (triton on CUDA).
     decode_variant:    which Triton decode kernel: naive, blocked, gqa, split_kv or auto.
     cuda_graphs:       on CUDA, replay captured graphs for decode-only steps (see cuda_graph.py);
@@ -359,6 +365,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 8192
     policy: str = "continuous"
+    admit_group: int = 1
+    admit_wait: int = 8
     attention_backend: str = "auto"
     decode_variant: str = "auto"
     cuda_graphs: bool | str = True
@@ -384,6 +392,8 @@ class EngineConfig:
                                        note=" (a prompt token and a new one)")
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_choice("policy", self.policy, POLICIES)
+        self.admit_group = check_int("admit_group", self.admit_group, 1)
+        self.admit_wait = check_int("admit_wait", self.admit_wait, 0)
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("decode_variant", self.decode_variant, DECODE_VARIANTS)
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "eager"):

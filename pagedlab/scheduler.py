@@ -13,7 +13,10 @@ schedule() decides who runs, within a budget of `max_num_batched_tokens` tokens:
      is prefilled in chunks over several steps (chunked prefill), so no step is ever larger than
      the budget. Blocks for the whole prompt are taken at admission.
      policy "continuous": any free slot, any step.  policy "static": only when every slot is free,
-     so a batch starts together and ends with its longest member.
+     so a batch starts together and ends with its longest member. With admit_group > 1 continuous
+     batching holds the queue, while requests run and no prompt is in the step, until
+     min(admit_group, waiting) slots are free or it has held admit_wait steps in a row: prompts
+     then share one eager step instead of one each (config.py says why).
 accept() appends each new token, finds the requests that stop, finishes them and frees their
 blocks; their slots are refilled by the next schedule(). Finished requests wait in `finished`
 until the engine hands them out (`take_finished`), so none is lost if a step is interrupted.
@@ -299,6 +302,9 @@ class Scheduler:
         if victim in step.decode:
             step.decode.remove(victim)
 
+    admit_group, admit_wait = 1, 8   # (EngineConfig's; see the module doc)
+    _held = 0                        # steps the queue has been held in a row
+
     @atomic
     def schedule(self) -> Batch:
         self._settle_leftovers()
@@ -322,6 +328,12 @@ class Scheduler:
                 step.prefill.append(req)
         # 3. fill free slots from the queue.
         fill = self.policy == "continuous" or not self.admitted    # static: only into an empty engine
+        if fill and self.admit_group > 1 and self.admitted and self.waiting and not step.prefill:
+            free = self.slots.count(None)
+            if 0 < free < min(self.admit_group, len(self.waiting)) and self._held < self.admit_wait:
+                fill, self._held = False, self._held + 1     # a decode-only step; prompts gather
+            elif free:
+                self._held = 0
         alloc = self.allocator
         while fill and self.waiting and None in self.slots and budget > 0:
             req = self.waiting[0]

@@ -219,3 +219,35 @@ def test_chunked_prefill_with_preemption(stream, reference):
     for i in range(len(prompts)):
         assert got[i] == reference[i][:len(got[i])]
         assert len(got[i]) == min(len(reference[i]), llm.engine.max_model_len - len(prompts[i]))
+
+
+@pytest.mark.parametrize("group,wait", [(3, 2), (6, 50)])
+def test_admit_group_gathers_prompts_and_keeps_the_outputs(stream, reference, group, wait):
+    """admit_group: while requests run, the queue waits for min(group, waiting) free slots (at most
+    `wait` steps in a row; a step that prefills anyway admits at once), so prompts share eager
+    steps -- fewer of them than admitting at every free slot -- and every output is unchanged."""
+    prompts, params = stream
+    arrival = [random.Random(5).randint(0, 12) for _ in prompts]
+    steps_with_prompts = {}
+    for g in (1, group):
+        llm = tiny_llm(max_num_seqs=5, num_blocks=512, trace=True, admit_group=g, admit_wait=wait)
+        got = run_stream(llm, prompts, params, arrival)
+        assert [got[i] for i in range(len(prompts))] == reference
+        held = 0
+        for s in llm.trace.steps:
+            free = s.slot_request.count(None)
+            if free and s.queue and "prefill" not in s.slot_phase and any(s.slot_request):
+                held += 1                              # a decode-only step with a slot free and a queue
+                assert g > 1 and free < min(g, len(s.queue)) and held <= wait, (g, s.step, free, s.queue)
+            else:
+                held = 0
+        steps_with_prompts[g] = sum("prefill" in s.slot_phase for s in llm.trace.steps)
+    assert steps_with_prompts[group] < steps_with_prompts[1]
+
+
+def test_admit_group_is_checked():
+    from pagedlab import EngineConfig
+    from pagedlab.validation import ValidationError
+    for kw in (dict(admit_group=0), dict(admit_wait=-1), dict(admit_group=2.5)):
+        with pytest.raises(ValidationError, match=next(iter(kw))):
+            EngineConfig(**kw)

@@ -649,15 +649,15 @@ def run_offline(serve_args: str, jobs: list[Job], args) -> dict:
 
 def offline_worker(spec_path: str) -> int:
     import shlex
+    from pagedlab.__main__ import build_objects
     from pagedlab.__main__ import build_parser as cli_parser
     from pagedlab.llm import LLM
     from pagedlab.sampling import SamplingParams
     spec = json.loads(Path(spec_path).read_text())
     a = cli_parser().parse_args(["serve", *shlex.split(spec["serve_args"])])
-    kw = {"max_model_len": a.max_model_len} if a.max_model_len else {}
-    llm = LLM(a.model, device=a.device, dtype=a.dtype, max_num_seqs=a.slots, attention_backend=a.backend,
-              prefix_caching=a.prefix_caching, tensor_parallel_size=a.tensor_parallel_size,
-              data_parallel_size=a.data_parallel_size, **kw)
+    build_objects(a, sampling=False)                 # the server's own engine arguments, as it builds them
+    llm = LLM(a.model, tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+              **a.engine_kwargs)
     prompts = [p for p, _ in spec["jobs"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec["ignore_eos"]) for _, n in spec["jobs"]]
     if spec["warmup"]:
