@@ -436,8 +436,10 @@ class Scheduler:
     def can_run_ahead(self, max_batch: int) -> bool:
         """Is the next step sure to be a decode of exactly the running requests whatever the tokens
         of the step in flight are? (Greedy, none of them can stop by length in the step in flight,
-        blocks for all of them, nobody waiting.) Then it can be launched before that step is read."""
-        if self.waiting or not self.admitted or len(self.admitted) > max_batch:
+        blocks for all of them, no free slot a waiting request would take.) Then it can be launched
+        before that step is read. (A request that stops on a token in the step in flight runs one
+        spare row; its slot is refilled one step later.)"""
+        if (self.waiting and None in self.slots) or not self.admitted or len(self.admitted) > max_batch:
             return False
         need = 0
         for r in self.admitted:

@@ -93,3 +93,20 @@ def test_sampling_steps_are_not_overlapped():
     llm = overlapped_llm(max_num_seqs=2, num_blocks=64)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.engine.num_overlapped == 0
+
+
+def test_steps_run_ahead_while_requests_wait_for_a_slot(stream, reference):
+    """Every slot taken and requests waiting: the next step is still a decode of exactly the
+    running requests, so it is launched before the step in flight is read (a slot freed by a stop
+    token is refilled one step later) -- and every output is unchanged."""
+    prompts, params = stream
+    llm = overlapped_llm(max_num_seqs=3, block_size=4, num_blocks=256)
+    eng, launch, waited = llm.engine, llm.engine.runner.launch, []
+
+    def watched(batch, after=None):
+        waited.append(after is not None and bool(eng.scheduler.waiting))
+        return launch(batch, after=after)
+    eng.runner.launch = watched
+    got = run_stream(llm, prompts, params, [0] * len(prompts))
+    assert [got[i] for i in range(len(prompts))] == reference
+    assert any(waited), "no step ran ahead while requests waited"
