@@ -153,10 +153,9 @@ class Engine:
         self._t0 = time.perf_counter()
         self.timer = PhaseTimer()
         # overlap the host's work for step n with the GPU running step n+1 (graphs, greedy); a trace
-        # shows steps one by one, so it runs the plain loop
-        # speculating, each step's shape depends on how many guesses the last one kept: plain loop
-        self.overlap = (cfg.overlap and self.runner.graphs is not None and not cfg.trace
-                        and self.speculator is None)
+        # shows steps one by one, so it runs the plain loop. Speculating, a step runs ahead only
+        # where nobody guesses (Speculator.wants_sync): guesses start from the last token.
+        self.overlap = cfg.overlap and self.runner.graphs is not None and not cfg.trace
         self._step = self._step_overlap if self.overlap else self._step_plain
         self.last_batch: Batch | None = None       # what the last step ran (prompt tokens or not: /metrics)
         self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
@@ -281,7 +280,8 @@ class Engine:
         self.scheduler.advance(batch)            # its tokens are in flight until read
         self._unread.append((batch, launch))
         self.num_overlapped += ahead is not None
-        while self._unread and (len(self._unread) > 1 or not self._unread[-1][1].read_later):
+        later = launch.read_later and not batch.guessed   # (a verify step: the next one needs it)
+        while self._unread and (len(self._unread) > 1 or not later):
             self._read_oldest()                  # step n, while the GPU runs step n+1
         return batch
 
@@ -289,14 +289,18 @@ class Engine:
         batch, launch = self._unread[-1]
         graphs = self.runner.graphs
         return (len(self._unread) == 1 and launch is self.runner.last and launch.read_later
-                and self.scheduler.can_run_ahead(graphs.sizes[-1]))
+                and self.scheduler.can_run_ahead(graphs.sizes[-1])
+                and (self.speculator is None or not self.speculator.wants_sync(self.scheduler)))
 
     def _read_oldest(self) -> None:
         batch, launch = self._unread[0]
         with self.timer("read"), interruptible():
             tokens = self.runner.read(launch)       # waits for that step only
         with self.timer("accept"):
-            self.scheduler.settle(batch, tokens)
+            if self.speculator is None:
+                self.scheduler.settle(batch, tokens)
+            else:                                   # (a verify step: the kept guesses too)
+                self.scheduler.accept(batch, tokens, launched=True)
         self._unread.popleft()
 
     def _isolate(self, batch: Batch) -> None:

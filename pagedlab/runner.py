@@ -18,6 +18,7 @@ the device from step n's output).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -100,15 +101,27 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
             from .cuda_graph import DecodeGraphs
-            self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
-                                       min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH),
-                                       capture=cuda_graphs is True)
+            with self._verify_kernels(rows_per_seq):
+                self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
+                                           min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH),
+                                           capture=cuda_graphs is True)
         self.last: Launch | None = None      # the latest launch, if it completed
         # called with each batch once its device work is queued, before anything waits for it:
         # host work that needs no result of the step runs there while the device computes
         self.while_running = None
         # requests may bring guesses (spec/): only then are decode rows looked at for them
         self.speculative = rows_per_seq > 1
+
+    # Speculative engines capture their graphs of up to 16 rows with the fused decode kernels on
+    # tensor cores (kernels/gemv.py fused_rows): a verify step's k + 1 rows per sequence then cost
+    # about what one row costs, not cuBLAS plus the separate norm / RoPE / store / SwiGLU kernels.
+    SPEC_FUSED_ROWS = True
+
+    def _verify_kernels(self, rows_per_seq: int):
+        if rows_per_seq > 1 and self.SPEC_FUSED_ROWS and self.device.type == "cuda":
+            from .kernels.gemv import fused_rows
+            return fused_rows()
+        return contextlib.nullcontext()
 
     def run(self, batch) -> list[int]:
         """Run a step to its end: the sampled tokens, on the host, in batch.sampled order."""

@@ -67,6 +67,7 @@ class Batch:
     out_index: list[int] = field(default_factory=list)       # where each sampled token goes (advance)
     logprobs: list | None = None        # the runner's TokenLogprob per sampled row (None: nobody asked)
     view: dict | None = None                                 # slots, blocks, queue as they ran (trace)
+    guessed: bool = False               # speculating: some decodes bring guesses (spec/speculator.py)
 
     @property
     def empty(self) -> bool:
@@ -373,13 +374,15 @@ class Scheduler:
         return step
 
     @atomic
-    def accept(self, batch: Batch, tokens: list[int]) -> None:
+    def accept(self, batch: Batch, tokens: list[int], launched: bool = False) -> None:
         """After the step ran: append each new token, stop, finish, free. (Speculating, `tokens`
-        has a row per guess too: the speculator keeps what verifies, spec/speculator.py.)"""
+        has a row per guess too: the speculator keeps what verifies, spec/speculator.py.)
+        launched: advance() was called at its launch (the overlap loop)."""
         rows = None
         if self.speculator is not None and any(r.spec_token_ids for r in batch.decode):
             tokens, rows = self.speculator.rows(batch, tokens)
-        self.advance(batch, tokens)
+        if not launched:
+            self.advance(batch, tokens)
         self.settle(batch, tokens)
         if self.speculator is not None:
             self.speculator.settle(self, batch, rows)

@@ -113,16 +113,20 @@ def run_stream(llm, prompts, params, seed, abort_at=()):
     return [done[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked"])
-def test_greedy_identity_on_random_streams(variant):
+@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive"])
+def test_greedy_identity_on_random_streams(variant, monkeypatch):
+    """overlap+adaptive: the overlap loop runs a step ahead wherever nobody guesses (requests the
+    adaptive k paused), and reads the step in flight first where someone will."""
     rnd = random.Random(len(variant))
     prompts = copy_prompts(rnd, 10)
     prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
     kw = dict(dtype="float32", max_num_seqs=4, cuda_graphs=False)
     if variant == "preempt+prefix":
         kw.update(num_blocks=14, block_size=4, prefix_caching=True)
-    else:
+    elif variant == "graphs-eager+chunked":
         kw.update(cuda_graphs="eager", max_num_batched_tokens=24, block_size=8)
+    else:
+        kw.update(cuda_graphs="eager", block_size=8)
     plain = tiny_llm(**kw)
     ref = plain.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     # stop ids and max_tokens chosen to fall inside a step's guesses
@@ -135,7 +139,12 @@ def test_greedy_identity_on_random_streams(variant):
         else:
             params.append(SamplingParams(max_tokens=rnd.randint(1, 30) if kind == "len" else 30, ignore_eos=True))
     want = run_stream(plain, prompts, params, seed=1)
-    spec = tiny_llm(speculative_config=NGRAM, **kw)
+    sc = NGRAM
+    if variant == "overlap+adaptive":       # a verify step costs 2.5 plain ones (not timed: the same pauses each run)
+        from pagedlab.spec.speculator import Speculator
+        monkeypatch.setattr(Speculator, "cost", property(lambda self: 2.5))
+        sc = dict(NGRAM, adaptive=True)
+    spec = tiny_llm(speculative_config=sc, **kw)
     got = run_stream(spec, prompts, params, seed=2, abort_at=(3, 7))
     for i, (a, b) in enumerate(zip(want, got)):
         if b.finish_reason == "abort":
@@ -146,6 +155,8 @@ def test_greedy_identity_on_random_streams(variant):
     assert s.num_accepted > 5 and s.num_proposed > s.num_accepted      # it guessed, kept some, lost some
     if variant == "preempt+prefix":
         assert sum(r.num_preemptions for r in got) > 0 and spec.engine.scheduler.allocator.prefix_hits > 0
+    if variant == "overlap+adaptive":
+        assert spec.engine.overlap and spec.engine.num_overlapped >= 5, spec.engine.num_overlapped
 
 
 def test_sampling_penalties_logprobs_stop_strings_identical():
@@ -228,6 +239,29 @@ def test_adaptive_k_backs_off():
         ks.append(k)
         ak.update(r2, min(k, 1), min(k, 1), cost=3.0)
     assert ks[0] > 0 and ks.count(0) >= 14, ks
+    # pauses in a row double (up to max_pause): text where guessing does not pay stops paying for
+    # the probes; a verify step that pays for itself ends the streak
+    r3, pauses = Request(2, [1], SamplingParams(), 0), []
+    for _ in range(6):
+        while not r3.spec_pause:                  # probes keeping nothing until it pauses
+            ak.update(r3, ak.k(r3), 0)
+        pauses.append(r3.spec_pause)
+        while r3.spec_pause:
+            assert ak.k(r3) == 0
+    assert pauses == [16, 32, 64, 128, 256, 256], pauses
+    ak.update(r3, 4, 4)
+    ak.update(r3, ak.k(r3), 0)
+    assert r3.spec_pause in (0, 16)
+    # a lookup that finds nothing: a pause as long as the misses in a row (up to max_miss_pause)
+    r4, pauses = Request(3, [1], SamplingParams(), 0), []
+    for _ in range(10):
+        ak.proposed(r4, False)
+        pauses.append(r4.spec_pause)
+        while r4.spec_pause:
+            ak.k(r4)
+    assert pauses == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8], pauses
+    ak.proposed(r4, True)
+    assert r4.spec_misses == 0
 
 
 def test_trace_records_guesses():

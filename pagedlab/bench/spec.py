@@ -92,6 +92,7 @@ def measure(llm, speculator, prompts, params, real, batched) -> dict:
     set_speculation(llm, speculator)
     eng = llm.engine
     eng.reset_timing()
+    overlapped0 = eng.num_overlapped
     outs, wall = run_once(llm, prompts, params, real, batched)
     n = sum(len(o.token_ids) for o in outs)
     proposed = sum(o.num_spec_proposed for o in outs)
@@ -104,6 +105,7 @@ def measure(llm, speculator, prompts, params, real, batched) -> dict:
                 step_ms=None if speculator is None else {("verify" if k else "plain"): v and v * 1e3
                                                          for k, v in speculator.step_s.items()},
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
+                overlapped_steps=eng.num_overlapped - overlapped0,
                 token_ids=[o.token_ids for o in outs])
 
 
@@ -139,6 +141,12 @@ def run(argv=None) -> dict:
     p.add_argument("--fuse-up-to", type=int, default=None, metavar="N",
                    help="use the fused GEMV kernels for steps of up to N rows (kernels/gemv.py FUSE_UP_TO, "
                         "at most 16): verify steps of one stream have k + 1 rows")
+    p.add_argument("--no-fused-rows", action="store_true",
+                   help="capture the speculative engine's graphs of 2-16 rows without the fused kernels "
+                        "(cuBLAS + separate small kernels: how verify steps ran before kernels/gemv.py fused_rows)")
+    p.add_argument("--replay", action="store_true",
+                   help="also time a graph replay per captured size up to 16 rows (padding rows: the "
+                        "linear layers' cost of a verify step of that many rows)")
     p.add_argument("--out", default="figures", help="where spec_bench.json/.md go")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -148,6 +156,9 @@ def run(argv=None) -> dict:
     if args.fuse_up_to is not None:
         from pagedlab.kernels import gemv
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
+    if args.no_fused_rows:
+        from pagedlab.runner import ModelRunner
+        ModelRunner.SPEC_FUSED_ROWS = False
     from pagedlab.spec.config import SpeculativeConfig
     from pagedlab.spec.speculator import Speculator
 
@@ -166,7 +177,8 @@ def run(argv=None) -> dict:
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
-                   fuse_up_to=__import__("pagedlab.kernels.gemv", fromlist=["x"]).FUSE_UP_TO, runs={})
+                   fuse_up_to=__import__("pagedlab.kernels.gemv", fromlist=["x"]).FUSE_UP_TO,
+                   fused_rows=not args.no_fused_rows, overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
         results["metadata"] = metadata("python -m pagedlab bench spec", argv)
@@ -194,6 +206,13 @@ def run(argv=None) -> dict:
                   f"tok/s ({r['speedup']:.2f}x), kept {r['on']['accepted']}/{r['on']['proposed']}, "
                   f"same tokens {r['same_tokens']:.0%}", flush=True)
     set_speculation(llm, spec)
+    graphs = llm.engine.runner.graphs
+    if args.replay and graphs is not None and graphs.capture:
+        from triton.testing import do_bench
+        graphs.inputs.copy_(torch.from_numpy(graphs._padding))
+        results["replay_ms"] = {b: do_bench(lambda b=b: graphs.replay(b), warmup=50, rep=200)
+                                for b in graphs.sizes if b <= 16}
+        print("graph replay ms by rows:", {b: round(v, 4) for b, v in results["replay_ms"].items()}, flush=True)
     out = out_dir(args.out)
     stem = "spec_bench" + ("" if real or args.small else "_random")
     write_json(out / f"{stem}.json", results)

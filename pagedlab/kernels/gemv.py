@@ -53,6 +53,12 @@ from .rope import rope_torch, rope_triton
 MAX_ROWS = 16          # the fused kernels handle up to this many tokens...
 FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured by bench_gemv,
                        # with more tokens cuBLAS's tensor-core matmuls win
+DOT_ROWS: tl.constexpr = tl.constexpr(16)   # from this many (padded) tokens the kernels use tensor cores
+# fused_rows(): inside it, steps of up to MAX_ROWS tokens of a 16-bit model use the fused kernels
+# too, their rows padded to DOT_ROWS (tensor cores): what a speculative engine captures its small
+# decode graphs with (runner.py), where a verify step's k + 1 rows would otherwise leave the fused
+# kernels for cuBLAS and twice the launches
+_FUSED_ROWS = [False]
 
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
@@ -138,9 +144,16 @@ def norm_lm_head_torch(x, norm_w, eps, w, greedy=False):
 @triton.jit
 def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
     """acc[M, R] += x[M, K] . w[R, K]^T as multiply-and-sum in fp32: no tensor cores, and no
-    reshuffling of the weight tile into a matmul layout -- it is used exactly as it was loaded."""
+    reshuffling of the weight tile into a matmul layout -- it is used exactly as it was loaded.
+    From 16 tokens (rows padded to 16: a speculative verify step's few rows, see DOT_ROWS) the
+    fp32 products would not fit the registers: a tensor-core dot then, in x's dtype (the model's:
+    bf16/fp16 x and weights; fp32 exactly, "ieee"), accumulating in fp32."""
     if BLOCK_M == 1:
         return acc + tl.sum(w.to(tl.float32) * x, axis=1)[None, :]          # x [1, K] broadcasts
+    elif BLOCK_M >= DOT_ROWS:
+        if x.dtype == tl.float32:
+            return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     else:
         return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
@@ -169,6 +182,8 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
         if HAS_NORM:
             sum_sq += tl.sum(x * x, axis=1)
             x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M >= DOT_ROWS:                 # tensor cores: x in the model's dtype
+            x = x.to(x_ptr.dtype.element_ty)
         wmask = rmask[:, None] & kmask[None, :]
         wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
         acc_a = _partial_dot(x, wa, acc_a, BLOCK_M)
@@ -358,8 +373,13 @@ def _plan(x, k, row_blocks, cfg, pdl):
     block_m = triton.next_power_of_2(x.shape[0])
     block_r = cfg["BLOCK_R"]
     block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
-    cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)
-    block_k = max(16, min(block_k, cap // (block_m * block_r)))
+    if block_m > 1 and _dot_rows_on(x):
+        block_m = max(block_m, DOT_ROWS.value)       # rows padded: tensor cores
+    if block_m >= DOT_ROWS.value:
+        block_r = max(block_r, DOT_ROWS.value)       # tensor cores: 16 x 16 tiles at least
+    else:                                            # fp32 products in registers
+        cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)
+        block_k = max(16, min(block_k, cap // (block_m * block_r)))
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
@@ -391,10 +411,30 @@ def _codes_scale(w):
     return w, None
 
 
+class fused_rows:
+    """`with fused_rows(): ...`: steps of 2..MAX_ROWS tokens of a bf16/fp16 model use the fused
+    kernels on tensor cores (rows padded to DOT_ROWS), not cuBLAS and the separate small kernels."""
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    def __enter__(self):
+        self._was, _FUSED_ROWS[0] = _FUSED_ROWS[0], self.on
+
+    def __exit__(self, *exc):
+        _FUSED_ROWS[0] = self._was
+
+
+def _dot_rows_on(x) -> bool:
+    return _FUSED_ROWS[0] and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def _use_fused(x, fused) -> bool:
-    """fused=None: the fused kernel for 1..FUSE_UP_TO tokens; True/False forces a path."""
+    """fused=None: the fused kernel for 1..FUSE_UP_TO tokens (inside fused_rows(): up to
+    MAX_ROWS of a 16-bit model); True/False forces a path."""
     if fused is None:
-        return 0 < x.shape[0] <= FUSE_UP_TO
+        t = x.shape[0]
+        return 0 < t <= FUSE_UP_TO or (0 < t <= MAX_ROWS and _dot_rows_on(x))
     if fused and x.shape[0] > MAX_ROWS:
         raise ValueError(f"the fused kernels take at most {MAX_ROWS} rows, got {x.shape[0]}")
     return fused and x.shape[0] > 0

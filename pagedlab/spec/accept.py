@@ -35,11 +35,24 @@ class AdaptiveK:
     optimistic), `gain` one of the tokens a verify step emits (1 + kept). A verify step costs
     more than a plain one -- `cost`, the ratio of their measured times (Speculator) -- so when
     the gain does not beat the cost, or fewer than `min_rate` of the guesses are kept, the
-    request stops proposing for `pause` steps, then tries again. While it pays, k follows the
-    rate (expected run of kept guesses ~ rate / (1 - rate), plus one)."""
+    request stops proposing for `pause` steps, then tries again; each pause in a row is twice as
+    long as the one before (up to `max_pause`): text where guessing does not pay stops paying for
+    the probes too. A verify step that paid for itself ends the streak. While it pays, k follows
+    the rate (expected run of kept guesses ~ rate / (1 - rate), plus one).
 
-    def __init__(self, k_max: int, min_rate: float = 0.2, pause: int = 16, weight: float = 0.3):
+    A proposer that finds nothing (no earlier n-gram) costs no verify row, but it keeps the engine
+    from running a step ahead (engine.py: the next proposal needs this step's token): `missed`
+    pauses the request for as many steps as it found nothing in a row (up to `max_miss_pause`)."""
+
+    def __init__(self, k_max: int, min_rate: float = 0.2, pause: int = 16, weight: float = 0.3,
+                 max_pause: int = 256, max_miss_pause: int = 8):
         self.k_max, self.min_rate, self.pause, self.weight = k_max, min_rate, pause, weight
+        self.max_pause, self.max_miss_pause = max_pause, max_miss_pause
+
+    @staticmethod
+    def will_propose(req) -> bool:
+        """Does the next k() ask this request for guesses (it is not paused)?"""
+        return req.spec_pause == 0
 
     def k(self, req, cost: float = 1.0) -> int:
         if req.spec_pause > 0:
@@ -52,10 +65,21 @@ class AdaptiveK:
             return self.k_max
         return max(1, min(self.k_max, round(r / (1 - r)) + 1))
 
+    def proposed(self, req, found: bool) -> None:
+        """The proposer was asked: found guesses, or nothing (then a short pause)."""
+        if found:
+            req.spec_misses = 0
+        else:
+            req.spec_misses = min(req.spec_misses + 1, self.max_miss_pause)
+            req.spec_pause = req.spec_misses
+
     def update(self, req, proposed: int, accepted: int, cost: float = 1.0) -> None:
         if proposed <= 0:
             return
         req.spec_rate += self.weight * (accepted / proposed - req.spec_rate)
         req.spec_gain += self.weight * (1 + accepted - req.spec_gain)
         if req.spec_rate < self.min_rate or req.spec_gain < cost:
-            req.spec_pause = self.pause
+            req.spec_pause = min(self.pause << min(req.spec_streak, 16), self.max_pause)
+            req.spec_streak += 1
+        elif accepted and 1 + accepted >= cost:      # this verify paid for itself
+            req.spec_streak = 0

@@ -40,9 +40,11 @@ class Speculator:
         self.num_proposed = self.num_accepted = self.num_verify_steps = 0
         self.num_proposer_errors, self.last_proposer_error = 0, None
         # measured seconds of a decode-only step without guesses and with (running means): their
-        # ratio is what a verify costs, which the adaptive k weighs against what it gains
+        # ratio is what a verify costs, which the adaptive k weighs against what it gains. A step's
+        # time is from its plan() to the next one's: with the overlap loop (engine.py) that is
+        # what a plain step costs in a stream of them, and a verify step's includes its wait.
         self.step_s = {False: None, True: None}
-        self._t0 = None
+        self._last = None        # (time, batch, guessed) of the latest plan()
 
     @property
     def cost(self) -> float:
@@ -53,7 +55,7 @@ class Speculator:
     def plan(self, sched, step) -> None:
         """Guesses for this step's decodes, within the token budget and the blocks free now
         (never preempting anyone for a guess)."""
-        self._t0 = time.perf_counter()
+        self._time_last_step(time.perf_counter())
         for r in sched.admitted:
             r.spec_token_ids = []
         forget = getattr(self.proposer, "forget_except", None)
@@ -61,16 +63,20 @@ class Speculator:
             forget({r.request_id for r in sched.admitted})
         room_rows = sched.max_num_batched_tokens - len(step.decode)
         reqs, ks = [], []
+        cost = self.cost
         for r in step.decode:
             if not can_speculate(r):
                 continue
-            left = min(r.params.max_new_tokens - len(r.output_token_ids) - r.num_in_flight,
-                       sched.max_model_len - r.num_tokens)
-            k = min(self.adaptive.k(r, self.cost) if self.adaptive else self.k_max, left - 1, room_rows)
+            k = self.adaptive.k(r, cost) if self.adaptive else self.k_max    # (counts paused steps down)
+            if r.num_in_flight:           # the overlap loop ran ahead: its last token is not known yet
+                continue
+            left = min(r.params.max_new_tokens - len(r.output_token_ids), sched.max_model_len - r.num_tokens)
+            k = min(k, left - 1, room_rows)
             if k > 0:
                 reqs.append(r)
                 ks.append(k)
                 room_rows -= k
+        self._last = (self._last[0], step, False)
         if not reqs:
             return
         bs = sched.block_size
@@ -84,12 +90,36 @@ class Speculator:
                 reset()
             return
         for r, guesses in zip(reqs, proposals):
+            if self.adaptive is not None:
+                self.adaptive.proposed(r, bool(guesses))
             if not guesses:
                 continue
             n = r.num_tokens
             if not sched._grow(r, n + len(guesses)):        # no preemption for a guess: fit what fits
                 guesses = guesses[:len(r.blocks) * bs - n]
             r.spec_token_ids = list(guesses)
+            step.guessed = step.guessed or bool(guesses)
+        self._last = (self._last[0], step, step.guessed)
+
+    def _time_last_step(self, now: float) -> None:
+        """The step planned last time took until now: a running mean per kind (with or without
+        guesses), of decode-only steps, not counting a pause of the engine (idle between them)."""
+        last, self._last = self._last, (now, None, False)
+        if last is None or last[1] is None or last[1].prefill or not last[1].decode:
+            return
+        dt, old = now - last[0], self.step_s[last[2]]
+        if old is None:
+            self.step_s[last[2]] = dt
+        elif dt < 4 * old:
+            self.step_s[last[2]] = old + 0.1 * (dt - old)
+
+    def wants_sync(self, sched) -> bool:
+        """Must the engine read the step in flight before the next one (engine.py's overlap loop)?
+        Yes if that step verifies guesses (what it keeps decides the next step's rows) or if the
+        next step asks someone for guesses (a proposal starts from the last token)."""
+        if self.adaptive is None:
+            return any(can_speculate(r) for r in sched.admitted)
+        return any(r.spec_token_ids or (r.spec_pause == 0 and can_speculate(r)) for r in sched.admitted)
 
     @staticmethod
     def rows(batch, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -107,11 +137,6 @@ class Speculator:
         """After the plain settle put each request's first token in: the kept guesses' tokens
         (per_req None: nobody guessed this step). Then a draft model forgets who left."""
         now, bs = time.perf_counter(), sched.block_size
-        if self._t0 is not None and not batch.prefill and batch.decode:     # time this decode step
-            key, dt = per_req is not None, now - self._t0
-            old = self.step_s[key]
-            self.step_s[key] = dt if old is None else old + 0.1 * (dt - old)
-        self._t0 = None
         cost = self.cost
         log = {}                                     # for the trace: request id -> (guesses, kept)
         for r, targets in zip(batch.sampled, per_req or ()):
@@ -155,8 +180,7 @@ class Speculator:
 
 
 def use(engine, speculator: Speculator | None) -> None:
-    """Speculation on (a Speculator) or off (None) on an idle engine; off, the overlap loop comes
-    back where the engine's config allows it."""
+    """Speculation on (a Speculator) or off (None) on an idle engine."""
     if engine.scheduler.has_work():
         raise RuntimeError("switch speculation only on an idle engine")
     while engine._unread:              # a step the overlap loop launched ahead: read it first
@@ -166,6 +190,5 @@ def use(engine, speculator: Speculator | None) -> None:
     if speculator is not None:
         engine.runner.speculative = True     # (graphs were captured for 1 + k rows per sequence
                                              # only if the engine was built with speculative_config)
-    engine.overlap = (speculator is None and cfg.overlap and engine.runner.graphs is not None
-                      and not cfg.trace)
+    engine.overlap = cfg.overlap and engine.runner.graphs is not None and not cfg.trace
     engine._step = engine._step_overlap if engine.overlap else engine._step_plain
