@@ -48,7 +48,8 @@ class Request:
     spec_rate: float = 0.8                    # running acceptance rate (spec/accept.py AdaptiveK)
     spec_pause: int = 0                       # steps left without proposals
     spec_gain: float = 3.0                    # running tokens per verify step (1 + kept)
-    spec_streak: int = 0                      # pauses in a row (each one twice as long)
+    spec_streak: int = 0                      # pauses after short runs, in a row (each one twice as long)
+    spec_run: int = 0                         # verify steps since it last started guessing again
     spec_misses: int = 0                      # proposals in a row that found no guess
 
     @property

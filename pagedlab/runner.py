@@ -112,10 +112,11 @@ class ModelRunner:
         # requests may bring guesses (spec/): only then are decode rows looked at for them
         self.speculative = rows_per_seq > 1
 
-    # Speculative engines capture their graphs of up to 16 rows with the fused decode kernels on
-    # tensor cores (kernels/gemv.py fused_rows): a verify step's k + 1 rows per sequence then cost
-    # about what one row costs, not cuBLAS plus the separate norm / RoPE / store / SwiGLU kernels.
-    SPEC_FUSED_ROWS = True
+    # True: a speculative engine captures its graphs of 2..16 rows with the fused decode kernels on
+    # tensor cores (kernels/gemv.py fused_rows) instead of cuBLAS plus the separate norm / RoPE /
+    # store / SwiGLU kernels. Off: measured slower on the H200 (docs/speculative.md; the LM head's
+    # fused dot at 16 padded rows is 3x cuBLAS's time). `bench spec --fused-rows` measures it.
+    SPEC_FUSED_ROWS = False
 
     def _verify_kernels(self, rows_per_seq: int):
         if rows_per_seq > 1 and self.SPEC_FUSED_ROWS and self.device.type == "cuda":
@@ -248,7 +249,7 @@ class ModelRunner:
         host's token of such a row (its last known one) is ignored on the device."""
         if self.speculative and any(r.spec_token_ids for r in reqs):
             rows = []
-            for r in reqs:                      # verify rows (no overlap loop while speculating)
+            for r in reqs:                      # verify rows (never run ahead: the host knows every token)
                 n, m = r.num_tokens, len(r.spec_token_ids)
                 for i, (tok, s) in enumerate(zip([r.last_token_id] + r.spec_token_ids,
                                                   kv_slots(r.blocks, n - 1, n + m, self.block_size))):

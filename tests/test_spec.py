@@ -239,27 +239,31 @@ def test_adaptive_k_backs_off():
         ks.append(k)
         ak.update(r2, min(k, 1), min(k, 1), cost=3.0)
     assert ks[0] > 0 and ks.count(0) >= 14, ks
-    # pauses in a row double (up to max_pause): text where guessing does not pay stops paying for
-    # the probes; a verify step that pays for itself ends the streak
+    # pauses after short probes double (up to max_pause): text where guessing does not pay stops
+    # paying for the probes; a long paying run starts them short again
     r3, pauses = Request(2, [1], SamplingParams(), 0), []
-    for _ in range(6):
-        while not r3.spec_pause:                  # probes keeping nothing until it pauses
-            ak.update(r3, ak.k(r3), 0)
+
+    def probe(kept):                             # guess until paused; the pause it got
+        while not r3.spec_pause:
+            k = ak.k(r3)
+            ak.update(r3, k, kept(k))
         pauses.append(r3.spec_pause)
         while r3.spec_pause:
             assert ak.k(r3) == 0
+    for _ in range(6):
+        probe(lambda k: 0)
     assert pauses == [16, 32, 64, 128, 256, 256], pauses
-    ak.update(r3, 4, 4)
-    ak.update(r3, ak.k(r3), 0)
-    assert r3.spec_pause in (0, 16)
+    runs = []
+    probe(lambda k: runs.append(k) or (k if len(runs) < 12 else 0))   # 12 paying steps, then none
+    assert pauses[-1] == 16 and len(runs) > 12, (pauses, runs)
     # a lookup that finds nothing: a pause as long as the misses in a row (up to max_miss_pause)
     r4, pauses = Request(3, [1], SamplingParams(), 0), []
-    for _ in range(10):
+    for _ in range(4):
         ak.proposed(r4, False)
         pauses.append(r4.spec_pause)
         while r4.spec_pause:
             ak.k(r4)
-    assert pauses == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8], pauses
+    assert pauses == [1, 2, 2, 2], pauses
     ak.proposed(r4, True)
     assert r4.spec_misses == 0
 

@@ -141,9 +141,10 @@ def run(argv=None) -> dict:
     p.add_argument("--fuse-up-to", type=int, default=None, metavar="N",
                    help="use the fused GEMV kernels for steps of up to N rows (kernels/gemv.py FUSE_UP_TO, "
                         "at most 16): verify steps of one stream have k + 1 rows")
-    p.add_argument("--no-fused-rows", action="store_true",
-                   help="capture the speculative engine's graphs of 2-16 rows without the fused kernels "
-                        "(cuBLAS + separate small kernels: how verify steps ran before kernels/gemv.py fused_rows)")
+    p.add_argument("--fused-rows", action="store_true",
+                   help="capture the speculative engine's graphs of 2-16 rows with the fused decode kernels on "
+                        "tensor cores (kernels/gemv.py fused_rows) instead of cuBLAS + separate small kernels "
+                        "(ModelRunner.SPEC_FUSED_ROWS; measured slower, off by default)")
     p.add_argument("--replay", action="store_true",
                    help="also time a graph replay per captured size up to 16 rows (padding rows: the "
                         "linear layers' cost of a verify step of that many rows)")
@@ -156,9 +157,9 @@ def run(argv=None) -> dict:
     if args.fuse_up_to is not None:
         from pagedlab.kernels import gemv
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
-    if args.no_fused_rows:
+    if args.fused_rows:
         from pagedlab.runner import ModelRunner
-        ModelRunner.SPEC_FUSED_ROWS = False
+        ModelRunner.SPEC_FUSED_ROWS = True
     from pagedlab.spec.config import SpeculativeConfig
     from pagedlab.spec.speculator import Speculator
 
@@ -178,7 +179,7 @@ def run(argv=None) -> dict:
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
                    fuse_up_to=__import__("pagedlab.kernels.gemv", fromlist=["x"]).FUSE_UP_TO,
-                   fused_rows=not args.no_fused_rows, overlap=llm.engine.overlap, runs={})
+                   fused_rows=args.fused_rows, overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
         results["metadata"] = metadata("python -m pagedlab bench spec", argv)

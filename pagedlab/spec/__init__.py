@@ -9,8 +9,8 @@ target model checks all of them in ONE forward: k + 1 query positions per sequen
 
 Each row is an ordinary decode row of the paged cache: same block-table row, its own position,
 KV slot and length n + i (the causal mask is just each row's length). So verification needs no new
-kernel, mixes with prefills and plain decodes in one step, and replays the decode CUDA graphs
-(a graph of b rows serves any mix of sequences and guesses).
+attention kernel, mixes with prefills and plain decodes in one step, and replays the decode CUDA
+graphs (a graph of b rows serves any mix of sequences and guesses).
 
 Accept rule (accept.py): d0 is kept if it equals t0, d1 if also d1 == t1, ...; the step emits
 t0 .. ta, a = the number of guesses kept, so one token always comes (t0, what a plain step would
@@ -27,8 +27,13 @@ over the tokens kept, and blocks past what the sequence now needs go back to the
 for rejected guesses sit past the sequence's length: no kernel reads them, the next step
 overwrites them.
 
-The overlap loop (engine.py) is off while speculating: the next step's proposals and shape depend
-on how many guesses this step keeps, which the host learns only by reading the step.
+The overlap loop (engine.py) runs a step ahead only where nobody guesses (Speculator.wants_sync):
+a proposal starts from the last token, and a verify step's next rows depend on how many guesses
+it keeps, which the host learns only by reading it. Text where guessing does not pay pauses its
+requests (AdaptiveK), so it decodes as fast as without speculation.
+
+A verify step's few rows (k + 1 per sequence) run the same fused decode kernels as one row
+(kernels/gemv.py fused_rows: rows padded to 16, tensor-core dots), captured in the decode graphs.
 
     method "ngram"  ngram.py   prompt lookup: the last n tokens matched earlier in the sequence
     method "draft"  draft.py   a smaller model with the same tokenizer guesses greedily

@@ -35,19 +35,21 @@ class AdaptiveK:
     optimistic), `gain` one of the tokens a verify step emits (1 + kept). A verify step costs
     more than a plain one -- `cost`, the ratio of their measured times (Speculator) -- so when
     the gain does not beat the cost, or fewer than `min_rate` of the guesses are kept, the
-    request stops proposing for `pause` steps, then tries again; each pause in a row is twice as
-    long as the one before (up to `max_pause`): text where guessing does not pay stops paying for
-    the probes too. A verify step that paid for itself ends the streak. While it pays, k follows
-    the rate (expected run of kept guesses ~ rate / (1 - rate), plus one).
+    request stops proposing for `pause` steps, then tries again from neutral. A pause that ends a
+    short run of guessing (fewer than `paid_run` verify steps: a probe that did not pay) is twice
+    as long as the one before (up to `max_pause`), so text where guessing does not pay stops
+    paying for the probes too; after a long run the pauses start short again. While it pays, k
+    follows the rate (expected run of kept guesses ~ rate / (1 - rate), plus one).
 
     A proposer that finds nothing (no earlier n-gram) costs no verify row, but it keeps the engine
-    from running a step ahead (engine.py: the next proposal needs this step's token): `missed`
-    pauses the request for as many steps as it found nothing in a row (up to `max_miss_pause`)."""
+    from running a step ahead (engine.py: the next proposal needs this step's token): `proposed`
+    pauses the request for as many steps as it found nothing in a row (up to `max_miss_pause`:
+    short, a copy can start at any token)."""
 
     def __init__(self, k_max: int, min_rate: float = 0.2, pause: int = 16, weight: float = 0.3,
-                 max_pause: int = 256, max_miss_pause: int = 8):
+                 max_pause: int = 256, paid_run: int = 8, max_miss_pause: int = 2):
         self.k_max, self.min_rate, self.pause, self.weight = k_max, min_rate, pause, weight
-        self.max_pause, self.max_miss_pause = max_pause, max_miss_pause
+        self.max_pause, self.paid_run, self.max_miss_pause = max_pause, paid_run, max_miss_pause
 
     @staticmethod
     def will_propose(req) -> bool:
@@ -58,7 +60,7 @@ class AdaptiveK:
         if req.spec_pause > 0:
             req.spec_pause -= 1
             if req.spec_pause == 0:                  # try again, from neutral
-                req.spec_rate, req.spec_gain = 0.5, cost + 0.5
+                req.spec_rate, req.spec_gain, req.spec_run = 0.5, cost + 0.5, 0
             return 0
         r = req.spec_rate
         if r >= 0.8:
@@ -76,10 +78,11 @@ class AdaptiveK:
     def update(self, req, proposed: int, accepted: int, cost: float = 1.0) -> None:
         if proposed <= 0:
             return
+        req.spec_run += 1
         req.spec_rate += self.weight * (accepted / proposed - req.spec_rate)
         req.spec_gain += self.weight * (1 + accepted - req.spec_gain)
         if req.spec_rate < self.min_rate or req.spec_gain < cost:
+            if req.spec_run >= self.paid_run:        # it paid for a while: start short again
+                req.spec_streak = 0
             req.spec_pause = min(self.pause << min(req.spec_streak, 16), self.max_pause)
             req.spec_streak += 1
-        elif accepted and 1 + accepted >= cost:      # this verify paid for itself
-            req.spec_streak = 0

@@ -119,7 +119,8 @@ class Speculator:
         next step asks someone for guesses (a proposal starts from the last token)."""
         if self.adaptive is None:
             return any(can_speculate(r) for r in sched.admitted)
-        return any(r.spec_token_ids or (r.spec_pause == 0 and can_speculate(r)) for r in sched.admitted)
+        ask = self.adaptive.will_propose
+        return any(r.spec_token_ids or (ask(r) and can_speculate(r)) for r in sched.admitted)
 
     @staticmethod
     def rows(batch, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
