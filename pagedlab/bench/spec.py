@@ -109,6 +109,60 @@ def measure(llm, speculator, prompts, params, real, batched) -> dict:
                 token_ids=[o.token_ids for o in outs])
 
 
+# (hidden, intermediate, Hq, Hkv, D, vocab) of the two models bench spec runs
+KERNEL_SHAPES = {"smollm2": (576, 1536, 9, 3, 64, 49152), "llama-3.2-1b": (2048, 8192, 32, 8, 64, 128256)}
+
+
+def kernel_times(rows=(1, 8, 16), reps: int = 20) -> dict:
+    """One layer's linear work (norm+QKV+RoPE+store, O + residual, norm+SwiGLU, down + residual) and
+    the LM head at each row count, in microseconds, bf16 random weights of both models' shapes:
+    "cublas" (the composed path: cuBLAS + the small Triton kernels, what a verify step runs) and
+    "fused" (kernels/gemv.py: one row, or inside fused_rows() rows padded to 16 on tensor cores).
+    Each timed as a CUDA graph of `reps` launches (no launch overhead), median of do_bench."""
+    from triton.testing import do_bench
+
+    from pagedlab.kernels import gemv
+    from pagedlab.kernels.rope import rope_cos_sin
+
+    def timed(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        return round(do_bench(graph.replay, warmup=20, rep=100) / reps * 1e3, 2)
+
+    dev, dt, out = "cuda", torch.bfloat16, {}
+    for name, (h, inter, hq, hkv, d, vocab) in KERNEL_SHAPES.items():
+        rnd = lambda *shape, scale=1.0: torch.randn(*shape, device=dev, dtype=dt) * scale   # noqa: E731
+        g = rnd(h)
+        wqkv, wo = rnd((hq + 2 * hkv) * d, h, scale=h ** -0.5), rnd(h, hq * d, scale=h ** -0.5)
+        wgu, wd, wl = rnd(2 * inter, h, scale=h ** -0.5), rnd(h, inter, scale=inter ** -0.5), rnd(vocab, h, scale=0.05)
+        cs = rope_cos_sin(d, 10000.0, 4096, None, device=dev)
+        kc, vc = rnd(64, 16, hkv, d), rnd(64, 16, hkv, d)
+        for t in rows:
+            x, a, m = rnd(t, h), rnd(t, hq * d), rnd(t, inter)
+            pos = slots = torch.arange(t, device=dev)
+            for path, fused in (("cublas", False), ("fused", None)):
+                fns = {"qkv": lambda: gemv.norm_qkv_rope_store_triton(x, g, 1e-5, wqkv, pos, cs, kc, vc, slots, hq,
+                                                                      fused=fused),
+                       "o": lambda: gemv.linear_residual_triton(a, wo, x, fused=fused),
+                       "swiglu": lambda: gemv.norm_swiglu_triton(x, g, 1e-5, wgu, fused=fused),
+                       "down": lambda: gemv.linear_residual_triton(m, wd, x, fused=fused),
+                       "lm_head": lambda: gemv.norm_lm_head_triton(x, g, 1e-5, wl, fused=fused, greedy=True)}
+                with gemv.fused_rows(fused is None):
+                    r = {k: timed(f) for k, f in fns.items()}
+                r["layer"] = round(r["qkv"] + r["o"] + r["swiglu"] + r["down"], 2)
+                out[f"{name}/{t} rows/{path}"] = r
+                print(f"{name} {t} rows {path}: {r}", flush=True)
+    return out
+
+
 def table(results: dict) -> list[str]:
     lines = ["| workload | mode | spec | tokens/s | speed-up | steps | tokens/step/request | kept / proposed "
              "| same tokens |", "|---|---|---|---|---|---|---|---|---|"]
@@ -148,6 +202,9 @@ def run(argv=None) -> dict:
     p.add_argument("--replay", action="store_true",
                    help="also time a graph replay per captured size up to 16 rows (padding rows: the "
                         "linear layers' cost of a verify step of that many rows)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also time one layer's linear work and the LM head at 1, 8, 16 rows, cuBLAS vs fused "
+                        "(both models' shapes, random bf16 weights)")
     p.add_argument("--out", default="figures", help="where spec_bench.json/.md go")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -214,6 +271,8 @@ def run(argv=None) -> dict:
         results["replay_ms"] = {b: do_bench(lambda b=b: graphs.replay(b), warmup=50, rep=200)
                                 for b in graphs.sizes if b <= 16}
         print("graph replay ms by rows:", {b: round(v, 4) for b, v in results["replay_ms"].items()}, flush=True)
+    if args.kernels and cuda:
+        results["kernels_us"] = kernel_times()
     out = out_dir(args.out)
     stem = "spec_bench" + ("" if real or args.small else "_random")
     write_json(out / f"{stem}.json", results)
