@@ -388,6 +388,38 @@ def test_prefill_gqa_packing_equals_one_head_per_tile(pack, heads):
     check(out, prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5, 40), dtype)
 
 
+PREFILL_LOOP_FORMS = {   # the key loop's forms (flat configs; PREFILL_CONFIG's tiers pick among them)
+    "one_loop": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PACK_GQA": True,
+                 "ONE_LOOP": True},
+    "one_loop_nopack": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2,
+                        "PACK_GQA": False, "ONE_LOOP": True},
+    "split_diag16": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PACK_GQA": True,
+                     "BLOCK_N_DIAG": 16},
+}
+
+
+@pytest.mark.parametrize("form", list(PREFILL_LOOP_FORMS))
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefill_loop_forms_match_reference(form, block_size):
+    """The one-loop form (key indices clamped to the sequence, the causal mask only on the tiles
+    that cross the diagonal) and the split form with narrower diagonal tiles compute the same
+    function: ragged lengths, queries after cached context, a sequence with no new tokens, a page
+    size that divides no tile, stale table entries past each sequence."""
+    dtype = DTYPES[0]
+    hq, hkv, d = HEADS[1] if GPU else (8, 2, 16)
+    gen = torch.Generator().manual_seed(block_size * 7 + len(form))
+    q_lens, ctx = ([300, 1, 0, 77], [129, 40, 9, 0]) if GPU else ([37, 1, 0, 9], [21, 6, 9, 0])
+    k_cache, v_cache, table, sl = make_paged([a + b for a, b in zip(q_lens, ctx)], block_size, hkv,
+                                             d, dtype, gen, stale=True)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    cu = cu.to(DEV)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype).to(DEV)
+    out = prefill_attention_triton(q, k_cache, v_cache, table, cu, sl, d ** -0.5, max(q_lens),
+                                   config=PREFILL_LOOP_FORMS[form])
+    check(out, prefill_attention_torch(q, k_cache, v_cache, table, cu, sl, d ** -0.5, max(q_lens)), dtype)
+
+
 # the issue's shapes (Llama-3.2-1B heads): the kernel against torch's SDPA in fp32, causal GQA, at
 # every length on the GPU; on the CPU (interpreter) the lengths that run in seconds
 SDPA_SHAPES = ([(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)] if GPU

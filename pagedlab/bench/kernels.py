@@ -167,23 +167,123 @@ def bench_prefill(device, gen, configs=None):
 
 # the prefill shapes measured in docs/kernels.md: (batch, length), causal, Llama-3.2-1B heads, bf16
 ISSUE_PREFILL_SHAPES = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)]
-PREFILL_SWEEP = {   # flat launch configs the sweep times at every shape (pack = PACK_GQA)
-    f"m{m}_n{n}_w{w}_s{st}_{'pack' if pk else 'nopack'}":
-        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PACK_GQA": pk}
-    for m, n, w, st, pk in [(64, 64, 4, 4, True), (64, 128, 4, 3, True), (64, 32, 4, 3, True),
-                            (128, 128, 4, 3, True), (128, 128, 8, 2, True), (128, 64, 4, 3, True),
-                            (128, 64, 8, 3, False)]}
+def _prefill_cfg(m, n, w, st, pack=True, one_loop=False, diag=None):
+    cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PACK_GQA": pack}
+    name = f"m{m}_n{n}_w{w}_s{st}" + ("" if pack else "_nopack")
+    if one_loop:
+        cfg["ONE_LOOP"] = True
+        name = "one_" + name
+    if diag is not None:
+        cfg["BLOCK_N_DIAG"] = diag
+        name += f"_d{diag}"
+    return name, cfg
+
+
+# flat launch configs the sweep (--prefill --tune) times at every shape: the key loop split in
+# two (unmasked tiles, then the diagonal in tiles of BLOCK_N_DIAG keys) or one loop
+PREFILL_SWEEP = dict(_prefill_cfg(*a, **k) for a, k in [
+    ((64, 64, 4, 3), {}), ((64, 64, 4, 4), {}), ((64, 64, 4, 2), {}),
+    ((64, 128, 4, 2), {}), ((64, 128, 4, 2), {"diag": 64}), ((64, 128, 4, 3), {"diag": 64}),
+    ((64, 128, 4, 2), {"diag": 32}), ((128, 128, 4, 2), {}), ((128, 128, 4, 2), {"diag": 64}),
+    ((128, 64, 4, 3), {}), ((128, 128, 8, 2), {}), ((128, 128, 8, 3), {}), ((128, 64, 8, 3), {}),
+    ((128, 128, 8, 2), {"diag": 64}), ((128, 128, 8, 2), {"diag": 32}), ((256, 64, 8, 3), {}),
+    ((128, 64, 8, 3), {"pack": False}),
+    ((64, 64, 4, 3), {"one_loop": True}), ((64, 64, 4, 4), {"one_loop": True}),
+    ((64, 64, 4, 2), {"one_loop": True}), ((64, 128, 4, 2), {"one_loop": True}),
+    ((64, 128, 4, 3), {"one_loop": True}), ((128, 128, 4, 2), {"one_loop": True}),
+    ((128, 64, 4, 3), {"one_loop": True}), ((128, 64, 8, 3), {"one_loop": True}),
+    ((128, 128, 8, 2), {"one_loop": True}), ((128, 128, 8, 3), {"one_loop": True}),
+    ((256, 64, 8, 3), {"one_loop": True}),
+])
+# ragged batches every swept config must get right before it is timed (bf16 against the fp32
+# torch reference): (query lengths, cached context lengths, page size)
+PREFILL_RAGGED = [([1000], [0], 16), ([513, 77, 1, 300], [0, 0, 0, 0], 16),
+                  ([200, 1, 0, 129], [700, 33, 5, 0], 16), ([37, 90], [5, 0], 1),
+                  ([2048, 100], [1024, 3], 32)]
+
+
+def _precompile_worker(names):
+    """(a subprocess) compile the named PREFILL_SWEEP configs into Triton's on-disk cache by
+    running each once on a tiny problem of the benchmark's shapes (same specialization)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # cpu: the interpreter
+    gen = torch.Generator(device=device).manual_seed(0)
+    kc = torch.randn(8, PAGE, HKV, D, device=device, dtype=DTYPE, generator=gen)
+    table = torch.randperm(8, device=device, generator=gen).view(1, 8).int()
+    sl = torch.tensor([100], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 100], dtype=torch.int32, device=device)
+    q = torch.randn(100, HQ, D, device=device, dtype=DTYPE, generator=gen)
+    failed = {}
+    for name in names:
+        try:
+            pa.prefill_attention_triton(q, kc, kc, table, cu, sl, D ** -0.5, 100,
+                                        config=PREFILL_SWEEP[name])
+        except Exception as e:                      # reported again (and skipped) by the sweep
+            failed[name] = f"{type(e).__name__}: {str(e)[:160]}"
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return failed
+
+
+def precompile_prefill_sweep(jobs: int, names=None) -> dict:
+    """Compile every PREFILL_SWEEP config in `jobs` processes at once (a config compiles in
+    seconds, one at a time); the timing process then finds them in Triton's cache."""
+    import multiprocessing as mp
+    names = list(PREFILL_SWEEP) if names is None else list(names)
+    chunks = [names[i::jobs] for i in range(jobs)]
+    with mp.get_context("spawn").Pool(jobs) as pool:
+        failed = {}
+        for f in pool.map(_precompile_worker, [c for c in chunks if c]):
+            failed.update(f)
+    return failed
+
+
+def check_prefill_ragged(device, gen, config) -> float:
+    """The largest relative error of `config` (bf16) against the fp32 torch reference over
+    PREFILL_RAGGED (Llama-3.2-1B heads; stale pages, scattered tables)."""
+    worst = 0.0
+    for q_lens, ctx, bs in PREFILL_RAGGED:
+        seq = [a + c for a, c in zip(q_lens, ctx)]
+        need = [-(-n // bs) for n in seq]
+        nb = sum(need) + 2
+        kc = torch.randn(nb, bs, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        vc = torch.randn(nb, bs, HKV, D, device=device, dtype=DTYPE, generator=gen)
+        perm = torch.randperm(nb, device=device, generator=gen).int()
+        table = torch.full((len(seq), max(need) + 1), -1, dtype=torch.int32, device=device)
+        used = 0
+        for i, n in enumerate(need):
+            table[i, :n] = perm[used:used + n]
+            used += n
+        sl = torch.tensor(seq, dtype=torch.int32, device=device)
+        cu = torch.tensor([0] + q_lens, device=device).cumsum(0).int()
+        q = torch.randn(sum(q_lens), HQ, D, device=device, dtype=DTYPE, generator=gen)
+        out = pa.prefill_attention_triton(q, kc, vc, table, cu, sl, D ** -0.5, max(q_lens), config=config)
+        ref = pa.prefill_attention_torch(q.float(), kc.float(), vc.float(), table, cu, sl, D ** -0.5,
+                                         max(q_lens)).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        worst = max(worst, err if err == err else float("inf"))
+    return worst
+
+
 GRAPH_REP_MS = 20           # per graph timing (do_bench_cudagraph's rep): ~0.25 s a measurement
 
 
-def bench_prefill_issue(device, gen, sweep: bool = True, save=None) -> list[dict]:
-    """The issue's shapes: the default tiers and (sweep) every PREFILL_SWEEP config against torch
-    SDPA in the same run, all timed as CUDA-graph replays (GPU time alone: at batch 1 x 512 both
-    take ~10 us, less than a Python launch) and the defaults and SDPA also under do_bench. SDPA:
-    the faster of flash on K/V expanded to 32 heads and enable_gqa=True. Each config's bf16
-    output is checked against fp32 SDPA (rel err < 1e-2), and the default tiers in fp32 too."""
+def bench_prefill_issue(device, gen, sweep: bool = True, save=None, configs=None,
+                        budget_s: float | None = None, default_config=None) -> list[dict]:
+    """The issue's shapes: the default tiers and (sweep) every config of `configs` (default
+    PREFILL_SWEEP) against torch SDPA in the same run, all timed as CUDA-graph replays (GPU time
+    alone: at batch 1 x 512 both take ~10 us, less than a Python launch) and the defaults and SDPA
+    also under do_bench. SDPA: the fastest of flash on K/V expanded to 32 heads and
+    enable_gqa=True, each timed before and after the Triton configs (drift shows as a difference).
+    Each config's bf16 output is checked against fp32 SDPA (rel err < 1e-2), and the default tiers
+    in fp32 too. Past budget_s seconds only the defaults and SDPA are timed (every shape is reached).
+    default_config: what the "default" entry runs (PREFILL_CONFIG unless given)."""
+    import time
+
     import torch.nn.functional as F
     rows = []
+    t0 = time.perf_counter()
+    sweep_configs = (PREFILL_SWEEP if configs is None else configs) if sweep else {}
+    default = pa.PREFILL_CONFIG if default_config is None else default_config
     for batch, L in ISSUE_PREFILL_SHAPES:
         blocks = -(-L // PAGE)
         nb = batch * blocks
@@ -212,9 +312,10 @@ def bench_prefill_issue(device, gen, sweep: bool = True, save=None) -> list[dict
             except Exception as e:
                 row["graph_us"][name] = None
                 print(f"  {name} failed: {type(e).__name__}: {str(e)[:120]}")
-        row["sdpa_us"] = min(v for k, v in row["graph_us"].items() if k.startswith("sdpa") and v)
-        configs = {"default": pa.PREFILL_CONFIG} | (PREFILL_SWEEP if sweep else {})
-        for name, cfg in configs.items():
+        late = budget_s is not None and time.perf_counter() - t0 > budget_s
+        row["swept"] = not late and bool(sweep_configs)
+        todo = {"default": default} | ({} if late else dict(sweep_configs))
+        for name, cfg in todo.items():
             try:
                 fn = lambda cfg=cfg: pa.prefill_attention_triton(q, kc, vc, table, cu, sl, scale, L, config=cfg)
                 out = fn()
@@ -224,27 +325,70 @@ def bench_prefill_issue(device, gen, sweep: bool = True, save=None) -> list[dict
             except Exception as e:
                 row["graph_us"][name] = None
                 print(f"  prefill config {name} failed at {batch} x {L}: {type(e).__name__}: {str(e)[:160]}")
+        for name, fn in sd.items():                      # SDPA again, after the Triton configs
+            try:
+                row["graph_us"][name + "_after"] = do_bench_us(fn, graph=True, rep=GRAPH_REP_MS)
+            except Exception:
+                row["graph_us"][name + "_after"] = None
+        row["sdpa_us"] = min(v for k, v in row["graph_us"].items() if k.startswith("sdpa") and v)
         row["default_do_bench_us"] = do_bench_us(
-            lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl, scale, L))
-        out32 = pa.prefill_attention_triton(q.float(), kc.float(), vc.float(), table, cu, sl, scale, L)
-        row["rel_err_fp32_default"] = ((out32 - ref).norm() / ref.norm()).item()
+            lambda: pa.prefill_attention_triton(q, kc, vc, table, cu, sl, scale, L, config=default))
+        try:
+            out32 = pa.prefill_attention_triton(q.float(), kc.float(), vc.float(), table, cu, sl, scale,
+                                                L, config=default)
+            row["rel_err_fp32_default"] = ((out32 - ref).norm() / ref.norm()).item()
+        except Exception as e:
+            row["rel_err_fp32_default"] = float("nan")
+            print(f"  fp32 default failed at {batch} x {L}: {type(e).__name__}: {str(e)[:160]}")
         timed = {k: v for k, v in row["graph_us"].items() if v and not k.startswith("sdpa")}
         row["best"] = min(timed, key=timed.get)
-        row["ratio_default"] = row["sdpa_us"] / row["graph_us"]["default"]
+        row["ratio_default"] = row["sdpa_us"] / (row["graph_us"]["default"] or float("nan"))
         row["ratio_best"] = row["sdpa_us"] / timed[row["best"]]
-        row["default_tflops"] = flops / row["graph_us"]["default"] / 1e6
+        row["default_tflops"] = flops / (row["graph_us"]["default"] or float("nan")) / 1e6
         row["sdpa_tflops"] = flops / row["sdpa_us"] / 1e6
         print(f"prefill {batch} x {L:5d}: sdpa {row['sdpa_us']:8.1f} us ({row['sdpa_tflops']:5.1f} TFLOP/s) | "
               f"default {row['graph_us']['default']:8.1f} us = {row['ratio_default']:.2f}x sdpa speed | best "
               f"{row['best']} {timed[row['best']]:8.1f} us = {row['ratio_best']:.2f}x | fp32 err "
               f"{row['rel_err_fp32_default']:.1e}", flush=True)
         print("  " + " ".join(f"{k}={v:.1f}" for k, v in row["graph_us"].items() if v), flush=True)
+        row["elapsed_s"] = time.perf_counter() - t0
         rows.append(row)
         if save is not None:
             save(rows)                      # after every shape: a run cut short keeps what it measured
         del kc, vc, q, qc, kk, vv, ke, ve, ref
         torch.cuda.empty_cache()
     return rows
+
+
+def pick_prefill_tiers(rows, tol: float = 0.01) -> dict:
+    """Launch tiers from a sweep (bench_prefill_issue's rows): one tier per distinct longest query
+    run among the shapes (max_q_len = the shape's length), each taking the swept config whose
+    WORST speed against SDPA over that tier's shapes is the highest -- or the previous tier's
+    config when that one is within `tol` of it (fewer kernels to compile) -- and neighbouring
+    tiers with the same config merged. The last tier is open (max_q_len None)."""
+    lengths = sorted({r["seq_len"] for r in rows})
+    names = [k for k in rows[0]["graph_us"] if k in PREFILL_SWEEP]
+
+    def worst(name, length):
+        rs = [r for r in rows if r["seq_len"] == length]
+        ratios = [r["sdpa_us"] / r["graph_us"][name] if r["graph_us"].get(name) else 0.0 for r in rs]
+        return min(ratios)
+    tiers = []                                   # [(max_q_len, config name)]
+    for length in lengths:
+        best = max(names, key=lambda n: worst(n, length))
+        if tiers and worst(tiers[-1][1], length) >= worst(best, length) - tol:
+            best = tiers[-1][1]
+        if tiers and tiers[-1][1] == best:
+            tiers[-1] = (length, best)
+        else:
+            tiers.append((length, best))
+    out = {}
+    for i, (bound, name) in enumerate(tiers):
+        cfg = dict(PREFILL_SWEEP[name])
+        cfg["max_q_len"] = None if i == len(tiers) - 1 else bound
+        out[f"upto_{bound}" if i < len(tiers) - 1 else "longest"] = {"max_q_len": cfg.pop("max_q_len"), **cfg,
+                                                                     "swept_as": name}
+    return out
 
 
 def pa_gather(cache, table, L):
@@ -380,6 +524,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="only the table rows, no sweep")
     ap.add_argument("--prefill", action="store_true",
                     help="only the issue's prefill shapes against SDPA (with --tune: every PREFILL_SWEEP config)")
+    ap.add_argument("--jobs", type=int, default=8,
+                    help="--prefill --tune: processes that compile the swept configs at once (default 8)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="--prefill --tune: seconds after which only the defaults and SDPA are timed")
     args = ap.parse_args(argv)
     require_cuda("bench kernels")
     out = out_dir(args.out)
@@ -388,12 +536,53 @@ def main(argv=None):
     if args.prefill:
         meta = metadata("python -m pagedlab.bench.kernels", argv)
         meta.update(prefill_config=to_plain(pa.PREFILL_CONFIG))
-        rows = bench_prefill_issue(device, gen, sweep=args.tune,
+        configs = None
+        if args.tune:
+            import time
+            t0 = time.perf_counter()
+            meta["compile_failed"] = precompile_prefill_sweep(args.jobs) if args.jobs > 1 else {}
+            meta["compile_s"] = time.perf_counter() - t0
+            print(f"compiled {len(PREFILL_SWEEP)} configs in {meta['compile_s']:.1f} s; failed: "
+                  f"{meta['compile_failed']}", flush=True)
+            meta["ragged_rel_err"] = {}
+            for name, cfg in {"default": pa.PREFILL_CONFIG, **PREFILL_SWEEP}.items():
+                try:
+                    meta["ragged_rel_err"][name] = check_prefill_ragged(device, gen, cfg)
+                except Exception as e:
+                    meta["ragged_rel_err"][name] = f"{type(e).__name__}: {str(e)[:160]}"
+            bad = {k: v for k, v in meta["ragged_rel_err"].items() if not isinstance(v, float) or v >= 1e-2}
+            print(f"ragged batches, worst bf16 rel err vs fp32 reference: "
+                  f"{max((v for v in meta['ragged_rel_err'].values() if isinstance(v, float)), default=float('nan')):.2e}; "
+                  f"failed: {bad}", flush=True)
+            configs = {k: v for k, v in PREFILL_SWEEP.items() if k not in bad}
+        rows = bench_prefill_issue(device, gen, sweep=args.tune, configs=configs, budget_s=args.budget,
                                    save=lambda rows: write_json(out / "prefill_bench.json", {"meta": meta, "rows": rows}))
         print("| batch x length | SDPA us | default us | default / SDPA speed | best config | best / SDPA speed |")
         for r in rows:
             print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default']:.1f} | "
                   f"{r['ratio_default']:.2f}x | {r['best']} | {r['ratio_best']:.2f}x |")
+        if args.tune:                # every config's speed against SDPA at every shape
+            names = [k for k in rows[0]["graph_us"] if not k.startswith("sdpa")]
+            lines = ["config " + " ".join(f"{r['batch']}x{r['seq_len']}" for r in rows)]
+            for k in names:
+                lines.append(k + " " + " ".join(f"{r['sdpa_us'] / r['graph_us'][k]:.3f}"
+                                                if r["graph_us"].get(k) else "-" for r in rows))
+            (out / "prefill_sweep.txt").write_text("\n".join(lines) + "\n")
+            print("\n".join(lines))
+            # the tiers the sweep picks, timed again beside the current defaults and SDPA
+            picked = pick_prefill_tiers([r for r in rows if r.get("swept")])
+            meta["picked_tiers"] = picked
+            print("picked tiers: " + json.dumps(picked), flush=True)
+            confirm = bench_prefill_issue(
+                device, gen, sweep=True, configs={"current_default": pa.PREFILL_CONFIG},
+                default_config=picked,
+                save=lambda rows: write_json(out / "prefill_confirm.json", {"meta": meta, "rows": rows}))
+            print("| batch x length | SDPA us | picked us | picked / SDPA | current default / SDPA | fp32 err |")
+            for r in confirm:
+                cur = r["graph_us"].get("current_default")
+                print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default']:.1f} | "
+                      f"{r['ratio_default']:.3f}x | {r['sdpa_us'] / cur if cur else float('nan'):.3f}x | "
+                      f"{r['rel_err_fp32_default']:.1e} |", flush=True)
         return 0
     meta = metadata("python -m pagedlab.bench.kernels", argv)
     meta.update(decode_config=to_plain(da.DECODE_CONFIG), prefill_config=to_plain(pa.PREFILL_CONFIG))

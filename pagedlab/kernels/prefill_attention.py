@@ -104,25 +104,34 @@ def prefill_launch_config(config, max_q_len: int, device) -> dict:
 
 @triton.jit
 def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n, offs_d, q_pos,
-                  seq_len, qk_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                  stride_vh, D: tl.constexpr, BS: tl.constexpr, MASKED: tl.constexpr,
+                  first_q_pos, seq_len, qk_scale, stride_kb, stride_kt, stride_kh, stride_vb,
+                  stride_vt, stride_vh, D: tl.constexpr, BS: tl.constexpr, MASK: tl.constexpr,
                   IEEE: tl.constexpr, EVEN_D: tl.constexpr, IDX64: tl.constexpr):
     """One K/V tile of keys start..start+BLOCK_N: gather it from the pages, S = Q K^T, and the
     online-softmax update (online_softmax.py's recurrence, written out here so that the scale is
     folded into the exponent's subtraction (one FMA per score) and P V accumulates inside the
-    matrix instruction, as in FlashAttention-2)."""
+    matrix instruction, as in FlashAttention-2).
+    MASK 0: every key of the tile is visible to every query (no mask, no predicate);
+    MASK 1: a diagonal tile (predicated loads, causal + length mask);
+    MASK 2: the one-loop form: key indices clamped to the sequence (loads never predicated) and
+            the causal mask applied only when the tile reaches past the tile's first query."""
     k_pos = start + offs_n
-    if MASKED:
+    if MASK == 1:
         kmask = k_pos < seq_len
         blk = tl.load(bt_row_ptr + k_pos // BS, mask=kmask, other=0)
+        tok = k_pos % BS
+    elif MASK == 2:                            # keys past the end read the last key (masked below)
+        k_idx = tl.minimum(k_pos, seq_len - 1)
+        blk = tl.load(bt_row_ptr + k_idx // BS)
+        tok = k_idx % BS
     else:
         blk = tl.load(bt_row_ptr + k_pos // BS)
+        tok = k_pos % BS
     if IDX64:                                  # int32 address math unless the pool is huge
         blk = blk.to(tl.int64)
-    tok = k_pos % BS
     k_ptrs = k_ptr + (blk * stride_kb + tok * stride_kt + kvh * stride_kh)[:, None] + offs_d[None, :]
     v_ptrs = v_ptr + (blk * stride_vb + tok * stride_vt + kvh * stride_vh)[:, None] + offs_d[None, :]
-    if MASKED:
+    if MASK == 1:
         ld_mask = kmask[:, None] & (offs_d[None, :] < D)
         k = tl.load(k_ptrs, mask=ld_mask, other=0.0)
         v = tl.load(v_ptrs, mask=ld_mask, other=0.0)
@@ -136,9 +145,12 @@ def _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start, offs_n
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if MASKED:
+    if MASK == 1:
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         s = tl.where(allowed, s, float("-inf"))
+    elif MASK == 2:
+        if start + offs_n.shape[0] > first_q_pos + 1:      # a key past the first query's position
+            s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
     p = tl.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -160,7 +172,8 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
                               stride_bt, num_m_tiles,
                               G: tl.constexpr, HEADS: tl.constexpr, BS: tl.constexpr,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_N_DIAG: tl.constexpr,
+                              ONE_LOOP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
                               IDX64: tl.constexpr):
     """One program: a tile of BLOCK_M rows = BLOCK_M // HEADS queries x HEADS query heads (HEADS
     is 1, or G with PACK_GQA: the whole group of one KV head), of sequence b."""
@@ -193,20 +206,31 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     tile_live = m_start < q_len
-    # phase 1: keys [0, full_end) are visible to every query of the tile -> no mask
-    full_end = tl.where(tile_live, ((ctx + m_start) // BLOCK_N) * BLOCK_N, 0)
-    for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
-                                      offs_n, offs_d, q_pos, seq_len, qk_scale, stride_kb,
-                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                      D, BS, False, IEEE, EVEN_D, IDX64)
-    # phase 2: the tiles that cross the causal diagonal (and the end of the sequence) -> masked
-    diag_end = tl.where(tile_live, tl.minimum(ctx + m_start + BM_Q, seq_len), 0)
-    for start in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
-                                      offs_n, offs_d, q_pos, seq_len, qk_scale, stride_kb,
-                                      stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                      D, BS, True, IEEE, EVEN_D, IDX64)
+    first_q_pos = ctx + m_start                           # the tile's first query's position
+    diag_end = tl.where(tile_live, tl.minimum(first_q_pos + BM_Q, seq_len), 0)
+    if ONE_LOOP:
+        # one software pipeline over every key tile; the mask only where the diagonal is crossed
+        for start in range(0, diag_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
+                                          offs_n, offs_d, q_pos, first_q_pos, seq_len, qk_scale,
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                          stride_vh, D, BS, 2, IEEE, EVEN_D, IDX64)
+    else:
+        # phase 1: keys [0, full_end) are visible to every query of the tile -> no mask
+        full_end = tl.where(tile_live, (first_q_pos // BLOCK_N) * BLOCK_N, 0)
+        for start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
+                                          offs_n, offs_d, q_pos, first_q_pos, seq_len, qk_scale,
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                          stride_vh, D, BS, 0, IEEE, EVEN_D, IDX64)
+        # phase 2: the tiles that cross the causal diagonal (and the end of the sequence) ->
+        # masked, in tiles of BLOCK_N_DIAG keys (<= BLOCK_N: less masked-out work)
+        offs_n2 = tl.arange(0, BLOCK_N_DIAG)
+        for start in range(full_end, diag_end, BLOCK_N_DIAG):
+            acc, m_i, l_i = _prefill_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row_ptr, kvh, start,
+                                          offs_n2, offs_d, q_pos, first_q_pos, seq_len, qk_scale,
+                                          stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                          stride_vh, D, BS, 1, IEEE, EVEN_D, IDX64)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -243,6 +267,11 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         per_tile = min(block_m // heads, triton.next_power_of_2(max_q_len))     # queries per tile
         block_m = heads * max(per_tile, -(-MIN_BLOCK // heads))
         block_n = min(block_n, CPU_BLOCK_N)
+    stages = cfg["num_stages"]
+    if q.element_size() > 2:                         # fp32: twice the shared memory per tile
+        block_n, stages = min(block_n, 64), min(stages, 2)
+    block_n_diag = max(MIN_BLOCK, min(cfg.get("BLOCK_N_DIAG", block_n), block_n))
+    one_loop = bool(cfg.get("ONE_LOOP", False))
     num_m_tiles = triton.cdiv(max_q_len, block_m // heads)
     block_d = max(MIN_BLOCK, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32
@@ -253,7 +282,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), num_m_tiles,
         G=g, HEADS=heads, BS=bs, D=d, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=ieee, EVEN_D=d == block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N_DIAG=block_n_diag, ONE_LOOP=one_loop, IEEE=ieee, EVEN_D=d == block_d,
         IDX64=max(k_cache.numel(), v_cache.numel()) >= INT32_LIMIT,
-        num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], q.device))
+        num_warps=cfg["num_warps"], num_stages=num_stages(stages, q.device))
     return out
