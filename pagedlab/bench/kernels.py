@@ -347,7 +347,7 @@ def bench_prefill_issue(device, gen, sweep: bool = True, save=None, configs=None
         row["default_tflops"] = flops / (row["graph_us"]["default"] or float("nan")) / 1e6
         row["sdpa_tflops"] = flops / row["sdpa_us"] / 1e6
         print(f"prefill {batch} x {L:5d}: sdpa {row['sdpa_us']:8.1f} us ({row['sdpa_tflops']:5.1f} TFLOP/s) | "
-              f"default {row['graph_us']['default']:8.1f} us = {row['ratio_default']:.2f}x sdpa speed | best "
+              f"default {row['graph_us']['default'] or float('nan'):8.1f} us = {row['ratio_default']:.2f}x sdpa speed | best "
               f"{row['best']} {timed[row['best']]:8.1f} us = {row['ratio_best']:.2f}x | fp32 err "
               f"{row['rel_err_fp32_default']:.1e}", flush=True)
         print("  " + " ".join(f"{k}={v:.1f}" for k, v in row["graph_us"].items() if v), flush=True)
@@ -559,7 +559,7 @@ def main(argv=None):
                                    save=lambda rows: write_json(out / "prefill_bench.json", {"meta": meta, "rows": rows}))
         print("| batch x length | SDPA us | default us | default / SDPA speed | best config | best / SDPA speed |")
         for r in rows:
-            print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default']:.1f} | "
+            print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default'] or float('nan'):.1f} | "
                   f"{r['ratio_default']:.2f}x | {r['best']} | {r['ratio_best']:.2f}x |")
         if args.tune:                # every config's speed against SDPA at every shape
             names = [k for k in rows[0]["graph_us"] if not k.startswith("sdpa")]
@@ -580,7 +580,7 @@ def main(argv=None):
             print("| batch x length | SDPA us | picked us | picked / SDPA | current default / SDPA | fp32 err |")
             for r in confirm:
                 cur = r["graph_us"].get("current_default")
-                print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default']:.1f} | "
+                print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default'] or float('nan'):.1f} | "
                       f"{r['ratio_default']:.3f}x | {r['sdpa_us'] / cur if cur else float('nan'):.3f}x | "
                       f"{r['rel_err_fp32_default']:.1e} |", flush=True)
         return 0
