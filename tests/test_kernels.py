@@ -393,8 +393,8 @@ PREFILL_LOOP_FORMS = {   # the key loop's forms (flat configs; PREFILL_CONFIG's 
                  "ONE_LOOP": True},
     "one_loop_nopack": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2,
                         "PACK_GQA": False, "ONE_LOOP": True},
-    "split_diag16": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "PACK_GQA": True,
-                     "BLOCK_N_DIAG": 16},
+    "split_diag16_mslow": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2,
+                           "PACK_GQA": True, "BLOCK_N_DIAG": 16, "M_SLOW": True},
 }
 
 
@@ -402,8 +402,8 @@ PREFILL_LOOP_FORMS = {   # the key loop's forms (flat configs; PREFILL_CONFIG's 
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_prefill_loop_forms_match_reference(form, block_size):
     """The one-loop form (key indices clamped to the sequence, the causal mask only on the tiles
-    that cross the diagonal) and the split form with narrower diagonal tiles compute the same
-    function: ragged lengths, queries after cached context, a sequence with no new tokens, a page
+    that cross the diagonal) and the split form with narrower diagonal tiles and the query tiles
+    last in the grid (M_SLOW) compute the same function: ragged lengths, queries after cached context, a sequence with no new tokens, a page
     size that divides no tile, stale table entries past each sequence."""
     dtype = DTYPES[0]
     hq, hkv, d = HEADS[1] if GPU else (8, 2, 16)

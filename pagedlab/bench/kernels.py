@@ -167,7 +167,7 @@ def bench_prefill(device, gen, configs=None):
 
 # the prefill shapes measured in docs/kernels.md: (batch, length), causal, Llama-3.2-1B heads, bf16
 ISSUE_PREFILL_SHAPES = [(1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (8, 512), (4, 2048)]
-def _prefill_cfg(m, n, w, st, pack=True, one_loop=False, diag=None):
+def _prefill_cfg(m, n, w, st, pack=True, one_loop=False, diag=None, m_slow=False):
     cfg = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": st, "PACK_GQA": pack}
     name = f"m{m}_n{n}_w{w}_s{st}" + ("" if pack else "_nopack")
     if one_loop:
@@ -176,25 +176,34 @@ def _prefill_cfg(m, n, w, st, pack=True, one_loop=False, diag=None):
     if diag is not None:
         cfg["BLOCK_N_DIAG"] = diag
         name += f"_d{diag}"
+    if m_slow:
+        cfg["M_SLOW"] = True
+        name += "_mslow"
     return name, cfg
 
 
 # flat launch configs the sweep (--prefill --tune) times at every shape: the key loop split in
-# two (unmasked tiles, then the diagonal in tiles of BLOCK_N_DIAG keys) or one loop
+# two (unmasked tiles, then the diagonal in tiles of BLOCK_N_DIAG keys) or one loop, the query
+# tiles first or last in the grid (M_SLOW). The neighbourhood of the winners of a broader sweep
+# of 28 configs (BLOCK_M 64-256, BLOCK_N 64/128, 4/8 warps, 2-4 stages, packed or not:
+# docs/prefill_sweep_2026-12-01b.txt)
 PREFILL_SWEEP = dict(_prefill_cfg(*a, **k) for a, k in [
-    ((64, 64, 4, 3), {}), ((64, 64, 4, 4), {}), ((64, 64, 4, 2), {}),
-    ((64, 128, 4, 2), {}), ((64, 128, 4, 2), {"diag": 64}), ((64, 128, 4, 3), {"diag": 64}),
-    ((64, 128, 4, 2), {"diag": 32}), ((128, 128, 4, 2), {}), ((128, 128, 4, 2), {"diag": 64}),
-    ((128, 64, 4, 3), {}), ((128, 128, 8, 2), {}), ((128, 128, 8, 3), {}), ((128, 64, 8, 3), {}),
-    ((128, 128, 8, 2), {"diag": 64}), ((128, 128, 8, 2), {"diag": 32}), ((256, 64, 8, 3), {}),
-    ((128, 64, 8, 3), {"pack": False}),
-    ((64, 64, 4, 3), {"one_loop": True}), ((64, 64, 4, 4), {"one_loop": True}),
-    ((64, 64, 4, 2), {"one_loop": True}), ((64, 128, 4, 2), {"one_loop": True}),
-    ((64, 128, 4, 3), {"one_loop": True}), ((128, 128, 4, 2), {"one_loop": True}),
-    ((128, 64, 4, 3), {"one_loop": True}), ((128, 64, 8, 3), {"one_loop": True}),
-    ((128, 128, 8, 2), {"one_loop": True}), ((128, 128, 8, 3), {"one_loop": True}),
-    ((256, 64, 8, 3), {"one_loop": True}),
+    ((64, 64, 4, 3), {}), ((64, 64, 4, 2), {}), ((64, 64, 4, 2), {"m_slow": True}),
+    ((64, 128, 4, 2), {"diag": 64}), ((64, 128, 4, 2), {"diag": 64, "m_slow": True}),
+    ((64, 128, 4, 2), {"diag": 32}), ((64, 128, 4, 2), {"diag": 32, "m_slow": True}),
+    ((64, 128, 4, 3), {"diag": 64, "m_slow": True}), ((64, 128, 4, 2), {"diag": 16, "m_slow": True}),
+    ((128, 128, 4, 2), {}),
+    ((64, 64, 4, 2), {"one_loop": True}), ((64, 64, 4, 2), {"one_loop": True, "m_slow": True}),
+    ((64, 128, 4, 2), {"one_loop": True}), ((64, 128, 4, 2), {"one_loop": True, "m_slow": True}),
+    ((64, 128, 4, 3), {"one_loop": True, "m_slow": True}),
 ])
+# the default tiers before this sweep (session 9, 2026-12-01), timed beside the picked ones
+PREFILL_BEFORE = {
+    "short": {"max_q_len": 4096, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
+              "PACK_GQA": True},
+    "long": {"max_q_len": None, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+             "PACK_GQA": True},
+}
 # ragged batches every swept config must get right before it is timed (bf16 against the fp32
 # torch reference): (query lengths, cached context lengths, page size). Pages of 16 only, the
 # benchmark's: another page size is another compiled kernel per config (tests/test_kernels.py
@@ -578,14 +587,17 @@ def main(argv=None):
             meta["picked_tiers"] = picked
             print("picked tiers: " + json.dumps(picked), flush=True)
             confirm = bench_prefill_issue(
-                device, gen, sweep=True, configs={"current_default": pa.PREFILL_CONFIG},
+                device, gen, sweep=True, configs={"current_default": pa.PREFILL_CONFIG,
+                                                  "before": PREFILL_BEFORE},
                 default_config=picked,
                 save=lambda rows: write_json(out / "prefill_confirm.json", {"meta": meta, "rows": rows}))
-            print("| batch x length | SDPA us | picked us | picked / SDPA | current default / SDPA | fp32 err |")
+            print("| batch x length | SDPA us | picked us | picked / SDPA | current default / SDPA | "
+                  "before / SDPA | fp32 err |")
             for r in confirm:
-                cur = r["graph_us"].get("current_default")
+                cur, bef = r["graph_us"].get("current_default"), r["graph_us"].get("before")
                 print(f"| {r['batch']} x {r['seq_len']} | {r['sdpa_us']:.1f} | {r['graph_us']['default'] or float('nan'):.1f} | "
                       f"{r['ratio_default']:.3f}x | {r['sdpa_us'] / cur if cur else float('nan'):.3f}x | "
+                      f"{r['sdpa_us'] / bef if bef else float('nan'):.3f}x | "
                       f"{r['rel_err_fp32_default']:.1e} |", flush=True)
         return 0
     meta = metadata("python -m pagedlab.bench.kernels", argv)

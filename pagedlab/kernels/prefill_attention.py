@@ -76,10 +76,12 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # head and every K/V tile is read once for the whole group. Read-only: pass another config
 # (launch.merge_config(PREFILL_CONFIG, {"long": {...}})), or one flat config for every length.
 PREFILL_CONFIG = freeze({
-    "short": {"max_q_len": 4096, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3,
-              "PACK_GQA": True},
-    "long": {"max_q_len": None, "BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
-             "PACK_GQA": True},
+    "short": {"max_q_len": 512, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
+              "PACK_GQA": True, "ONE_LOOP": True},
+    "medium": {"max_q_len": 1024, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
+               "PACK_GQA": True, "ONE_LOOP": True},
+    "long": {"max_q_len": None, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_DIAG": 64, "num_warps": 4,
+             "num_stages": 2, "PACK_GQA": True},
 })
 # GPUs before Ampere (a T4: 64 KB of shared memory, no asynchronous copies): one safe config.
 PREFILL_CONFIG_PRE_AMPERE = freeze({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
@@ -89,6 +91,8 @@ PREFILL_CONFIG_PRE_AMPERE = freeze({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4
 # key tiles of at most CPU_BLOCK_N.
 MIN_BLOCK = 16
 CPU_BLOCK_N = 32
+# CUDA's limit on a grid's second and third dimensions (M_SLOW puts the query tiles third)
+GRID_Z_LIMIT = 65535
 
 
 def prefill_launch_config(config, max_q_len: int, device) -> dict:
@@ -173,14 +177,19 @@ def _prefill_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, cu_ptr, sl_ptr
                               G: tl.constexpr, HEADS: tl.constexpr, BS: tl.constexpr,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_N_DIAG: tl.constexpr,
-                              ONE_LOOP: tl.constexpr, IEEE: tl.constexpr, EVEN_D: tl.constexpr,
-                              IDX64: tl.constexpr):
+                              ONE_LOOP: tl.constexpr, M_SLOW: tl.constexpr, IEEE: tl.constexpr,
+                              EVEN_D: tl.constexpr, IDX64: tl.constexpr):
     """One program: a tile of BLOCK_M rows = BLOCK_M // HEADS queries x HEADS query heads (HEADS
     is 1, or G with PACK_GQA: the whole group of one KV head), of sequence b."""
     BM_Q: tl.constexpr = BLOCK_M // HEADS                 # queries per tile
-    pid_m = num_m_tiles - 1 - tl.program_id(0)          # heaviest (last) query tiles first
+    if M_SLOW:   # grid (head groups, sequences, query tiles): the GPU starts programs in grid
+        # order, so every sequence's and head's last (heaviest) query tiles start first
+        pid_m = num_m_tiles - 1 - tl.program_id(2)
+        hg = tl.program_id(0)                             # which group of HEADS query heads
+    else:        # grid (query tiles, sequences, head groups): heaviest first per sequence and head
+        pid_m = num_m_tiles - 1 - tl.program_id(0)
+        hg = tl.program_id(2)
     b = tl.program_id(1)
-    hg = tl.program_id(2)                                 # which group of HEADS query heads
     kvh = (hg * HEADS) // G
     q_start = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q_start
@@ -273,16 +282,19 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_n_diag = max(MIN_BLOCK, min(cfg.get("BLOCK_N_DIAG", block_n), block_n))
     one_loop = bool(cfg.get("ONE_LOOP", False))
     num_m_tiles = triton.cdiv(max_q_len, block_m // heads)
+    m_slow = bool(cfg.get("M_SLOW", False)) and num_m_tiles <= GRID_Z_LIMIT
+    grid = (hq // heads, b, num_m_tiles) if m_slow else (num_m_tiles, b, hq // heads)
     block_d = max(MIN_BLOCK, triton.next_power_of_2(d))
     ieee = q.dtype == torch.float32
-    _prefill_attention_kernel[(num_m_tiles, b, hq // heads)](
+    _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, cu_seqlens_q, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), num_m_tiles,
         G=g, HEADS=heads, BS=bs, D=d, BLOCK_D=block_d,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N_DIAG=block_n_diag, ONE_LOOP=one_loop, IEEE=ieee, EVEN_D=d == block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_N_DIAG=block_n_diag, ONE_LOOP=one_loop, M_SLOW=m_slow,
+        IEEE=ieee, EVEN_D=d == block_d,
         IDX64=max(k_cache.numel(), v_cache.numel()) >= INT32_LIMIT,
         num_warps=cfg["num_warps"], num_stages=num_stages(stages, q.device))
     return out
