@@ -8,14 +8,16 @@ CUDA graphs already compile the decode-only steps at load (cuda_graph.py); what 
 step with prompt tokens in it. `warm_up(engine)` runs a few tiny requests through the engine
 itself -- the very code path that serves -- in waves that produce each kind of step:
 
-  * prefill-only steps of a short and a long prompt (both prefill_attention tiers), with an odd
-    token count and a multiple of 16 (Triton specializes integer arguments on divisibility by 16);
+  * prefill-only steps of a short and a long prompt, with an odd token count and a multiple of
+    16 (Triton specializes integer arguments on divisibility by 16);
   * mixed steps, a prompt arriving while another request decodes (prefill + decode in one pass);
   * a prompt whose first blocks are cached (prefix caching: queries after cached context);
   * the decode steps in between (CUDA-graph replays, already captured);
   * and, called directly, split_kv decode attention at every split count auto can choose (powers
     of two, decode_attention.choose_num_splits): the decode part of a mixed step is eager, and
-    its split count follows the batch size and the context, so the waves cannot meet them all.
+    its split count follows the batch size and the context, so the waves cannot meet them all;
+  * and, called directly, prefill attention at one length in each of its launch tiers
+    (prefill_attention.PREFILL_CONFIG: a tier per range of prompt lengths, each its own kernel).
 
 Triton keeps what it compiled on disk (TRITON_CACHE_DIR, default ~/.triton/cache): a second
 process finds the kernels there and its warm-up only loads them. The engine is left as it was:
@@ -63,7 +65,7 @@ def warm_up(engine, show_progress: bool = True, force: bool = False) -> dict:
                          engine.config.max_num_batched_tokens, vocab)
     shared = None                                          # one prompt sent twice: a prefix-cache hit
     bar = _progress(len(waves) + 2, show_progress)
-    splits = []
+    splits, tiers = [], []
     steps, ids = 0, []
     try:
         for wave in waves + [[(0, 2)]]:
@@ -83,6 +85,7 @@ def warm_up(engine, show_progress: bool = True, force: bool = False) -> dict:
                 steps += 1
             bar.update(1)
         splits = compile_decode_splits(engine)
+        tiers = compile_prefill_tiers(engine)
         bar.update(1)
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
@@ -98,7 +101,8 @@ def warm_up(engine, show_progress: bool = True, force: bool = False) -> dict:
         if saved[1] is not None:
             alloc.prefix_queries, alloc.prefix_hits = saved[1], saved[2]
         engine.reset_timing()
-    return dict(seconds=time.perf_counter() - t0, steps=steps, requests=len(ids), decode_splits=splits)
+    return dict(seconds=time.perf_counter() - t0, steps=steps, requests=len(ids), decode_splits=splits,
+                prefill_tiers=tiers)
 
 
 def compile_decode_splits(engine) -> list[int]:
@@ -125,6 +129,31 @@ def compile_decode_splits(engine) -> list[int]:
         done.append(n)
         n *= 2
     return done
+
+
+def compile_prefill_tiers(engine) -> list[int]:
+    """One tiny prefill attention launch per launch tier of the model's prefill kernel (its launch
+    config; prefill_attention.prefill_tier_lengths): the waves' prompts meet only the tiers of
+    their own lengths. The launch holds one query token; the longest-query-run hint picks the
+    tier (programs past the token exit at once). Returns the lengths launched ([] unless the
+    model's attention is Triton's)."""
+    from .kernels.prefill_attention import prefill_tier_lengths
+    model = engine.model
+    kernels = model.kernels
+    if getattr(kernels, "backend", None) != "triton":
+        return []
+    kv = engine.kv_cache
+    k, v = kv.k[0], kv.v[0]
+    d = k.shape[3]
+    hq = getattr(model, "num_heads", model.config.num_heads)
+    q = torch.randn(1, hq, d, dtype=k.dtype, device=k.device)
+    table = torch.full((1, 4), kv.null_block, dtype=torch.int32, device=k.device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=k.device)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=k.device)
+    lengths = prefill_tier_lengths(kernels.options["prefill_config"])
+    for n in lengths:
+        kernels.prefill_attention(q, k, v, table, cu, seq_lens, d ** -0.5, n)
+    return lengths
 
 
 class _NoBar:

@@ -53,3 +53,20 @@ def test_decode_split_variants_are_launched_for_the_triton_backend():
     assert compile_decode_splits(llm.engine) == [2 ** i for i in range(1, MAX_SPLITS.bit_length())]
     torch_llm = tiny_llm(max_num_seqs=2)
     assert compile_decode_splits(torch_llm.engine) == []
+
+
+def test_prefill_tiers_are_launched_for_the_triton_backend():
+    """One prefill attention launch per launch tier (each tier is its own kernel) runs at warm-up,
+    through the model's own prefill kernel and launch config: every tier met once, no error."""
+    import os
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        import pytest
+        pytest.skip("the Triton backend on the CPU needs TRITON_INTERPRET=1 (test_kernels sets it)")
+    from pagedlab.kernels.prefill_attention import PREFILL_CONFIG, prefill_launch_config
+    from pagedlab.warmup import compile_prefill_tiers
+    import torch
+    llm = tiny_llm(max_num_seqs=2, attention_backend="triton", cuda_graphs=False)
+    lengths = compile_prefill_tiers(llm.engine)
+    met = [prefill_launch_config(PREFILL_CONFIG, n, torch.device("cpu")) for n in lengths]
+    assert met == [dict(t) for t in PREFILL_CONFIG.values()]
+    assert compile_prefill_tiers(tiny_llm(max_num_seqs=2).engine) == []

@@ -12,10 +12,20 @@ tile gathered from the pages (key n lives
 at block_table[b, n // block_size], offset n % block_size), computes S = Q K^T with tl.dot, and
 keeps a running (max m, sum l, output acc) -- the online softmax -- so the [q_len, seq_len] score
 matrix never exists in memory. Work is in the base-2 domain (exp2, scale folded with log2 e).
-The key loop has two phases: keys every query of the tile sees (no mask at all, the bulk of the
-work), then the tiles that cross the causal diagonal (masked). The running max starts at a large
-FINITE negative number, so a row that sees no key at all gives exp2(-inf - finite) = 0 and an
-output of 0, never NaN. Programs with the most work (the last query tiles) are launched first.
+The causal mask costs nothing off the diagonal, in one of two forms (a tier's choice):
+  * split (long rows): two loops, the keys every query of the tile sees (no mask, no predicate:
+    the bulk of the work) in tiles of BLOCK_N, then the tiles that cross the diagonal (masked) in
+    narrower tiles of BLOCK_N_DIAG, so less masked-out work is done;
+  * ONE_LOOP (short rows): one loop, so one software pipeline whose loads run ahead across the
+    diagonal (two loops refill the pipeline there, and on a short row that wait is not hidden);
+    key indices are clamped to the sequence (loads never predicated) and the mask is applied only
+    on the tiles that reach past the tile's first query (a branch, taken once or twice per row).
+The running max starts at a large FINITE negative number, so a row that sees no key at all gives
+exp2(-inf - finite) = 0 and an output of 0, never NaN. Programs with the most work (the last query
+tiles) are launched first: with M_SLOW the query tiles are the grid's last dimension, so the GPU,
+which starts programs in grid order, starts the heaviest tiles of EVERY sequence and head before
+any lighter one (without it, only within each sequence and head: the last heads' heavy tiles start
+late and leave a long tail).
 
 GQA: query head h reads KV head h // G (G = Hq // Hkv query heads per KV head). With PACK_GQA (the
 default tiers) a tile's rows are (query, head) pairs of all G heads of one KV head -- BLOCK_M // G
@@ -69,19 +79,25 @@ def prefill_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out[seq_of_token, idx_in_seq].to(q.dtype)
 
 
-# Launch parameters per query length (tuned on the H200 for Llama-3.2-1B's heads: 32 query / 8 KV
-# heads, head_dim 64; docs/kernels.md has the sweep). A launch takes the first tier whose
-# "max_q_len" holds the step's longest query run. BLOCK_M counts tile ROWS: with PACK_GQA a row is
-# (query, head of the group), so a tile holds BLOCK_M / G queries of all G heads that share one KV
-# head and every K/V tile is read once for the whole group. Read-only: pass another config
-# (launch.merge_config(PREFILL_CONFIG, {"long": {...}})), or one flat config for every length.
+# Launch parameters per query length, picked on the H200 for Llama-3.2-1B's heads (32 query / 8 KV
+# heads, head_dim 64) by `python -m pagedlab bench kernels --prefill --tune` (pick_prefill_tiers:
+# the config whose worst speed against SDPA over a tier's shapes is highest; docs/kernels.md has
+# the sweep). A launch takes the first tier whose "max_q_len" holds the step's longest query run.
+# BLOCK_M counts tile ROWS: with PACK_GQA a row is (query, head of the group), so a tile holds
+# BLOCK_M / G queries of all G heads that share one KV head and every K/V tile is read once for
+# the whole group. ONE_LOOP: one key loop (short rows: one software pipeline, no refill at the
+# diagonal); else two loops, the diagonal in tiles of BLOCK_N_DIAG keys. M_SLOW: query tiles last
+# in the grid, so the heaviest tiles of every sequence and head start first. Read-only: pass
+# another config (launch.merge_config(PREFILL_CONFIG, {"long": {...}})), or one flat config.
 PREFILL_CONFIG = freeze({
     "short": {"max_q_len": 512, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
-              "PACK_GQA": True, "ONE_LOOP": True},
+              "PACK_GQA": True, "ONE_LOOP": True, "M_SLOW": True},
     "medium": {"max_q_len": 1024, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2,
-               "PACK_GQA": True, "ONE_LOOP": True},
-    "long": {"max_q_len": None, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_DIAG": 64, "num_warps": 4,
-             "num_stages": 2, "PACK_GQA": True},
+               "PACK_GQA": True, "ONE_LOOP": True, "M_SLOW": True},
+    "long": {"max_q_len": 4096, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_DIAG": 32, "num_warps": 4,
+             "num_stages": 2, "PACK_GQA": True, "M_SLOW": True},
+    "longest": {"max_q_len": None, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_N_DIAG": 16,
+                "num_warps": 4, "num_stages": 2, "PACK_GQA": True, "M_SLOW": True},
 })
 # GPUs before Ampere (a T4: 64 KB of shared memory, no asynchronous copies): one safe config.
 PREFILL_CONFIG_PRE_AMPERE = freeze({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2,
@@ -104,6 +120,18 @@ def prefill_launch_config(config, max_q_len: int, device) -> dict:
     if device.type == "cuda" and capability(device) < AMPERE:
         return dict(PREFILL_CONFIG_PRE_AMPERE)
     return dict(next(c for c in config.values() if c["max_q_len"] is None or max_q_len <= c["max_q_len"]))
+
+
+def prefill_tier_lengths(config=PREFILL_CONFIG) -> list[int]:
+    """A longest-query-run length in each tier of `config` (tiers as PREFILL_CONFIG), in order:
+    one launch at each meets every tier's kernel once (warmup.py compiles them at load). A flat
+    config has one kernel: [1]."""
+    if "BLOCK_M" in config:
+        return [1]
+    out = []
+    for tier in config.values():
+        out.append(tier["max_q_len"] if tier["max_q_len"] is not None else (out[-1] if out else 0) + 1)
+    return out
 
 
 @triton.jit
