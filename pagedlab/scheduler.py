@@ -306,6 +306,13 @@ class Scheduler:
     admit_group, admit_wait = 1, 8   # (EngineConfig's; see the module doc)
     _held = 0                        # steps the queue has been held in a row
 
+    def _holding(self) -> bool:
+        """admit_group: does the queue wait in this step (if no prompt is in it anyway)?"""
+        if self.admit_group == 1 or not self.admitted or not self.waiting:
+            return False
+        free = self.slots.count(None)
+        return 0 < free < min(self.admit_group, len(self.waiting)) and self._held < self.admit_wait
+
     @atomic
     def schedule(self) -> Batch:
         self._settle_leftovers()
@@ -329,11 +336,10 @@ class Scheduler:
                 step.prefill.append(req)
         # 3. fill free slots from the queue.
         fill = self.policy == "continuous" or not self.admitted    # static: only into an empty engine
-        if fill and self.admit_group > 1 and self.admitted and self.waiting and not step.prefill:
-            free = self.slots.count(None)
-            if 0 < free < min(self.admit_group, len(self.waiting)) and self._held < self.admit_wait:
+        if fill and self.admit_group > 1 and not step.prefill:
+            if self._holding():
                 fill, self._held = False, self._held + 1     # a decode-only step; prompts gather
-            elif free:
+            elif None in self.slots:
                 self._held = 0
         alloc = self.allocator
         while fill and self.waiting and None in self.slots and budget > 0:
@@ -439,10 +445,11 @@ class Scheduler:
     def can_run_ahead(self, max_batch: int) -> bool:
         """Is the next step sure to be a decode of exactly the running requests whatever the tokens
         of the step in flight are? (Greedy, none of them can stop by length in the step in flight,
-        blocks for all of them, no free slot a waiting request would take.) Then it can be launched
-        before that step is read. (A request that stops on a token in the step in flight runs one
-        spare row; its slot is refilled one step later.)"""
-        if (self.waiting and None in self.slots) or not self.admitted or len(self.admitted) > max_batch:
+        blocks for all of them, no free slot a waiting request would take -- none free, or the queue
+        held for admit_group.) Then it can be launched before that step is read. (A request that
+        stops on a token in the step in flight runs one spare row; its slot is refilled one step
+        later.)"""
+        if (self.waiting and None in self.slots and not self._holding()) or not self.admitted or len(self.admitted) > max_batch:
             return False
         need = 0
         for r in self.admitted:

@@ -110,3 +110,20 @@ def test_steps_run_ahead_while_requests_wait_for_a_slot(stream, reference):
     got = run_stream(llm, prompts, params, [0] * len(prompts))
     assert [got[i] for i in range(len(prompts))] == reference
     assert any(waited), "no step ran ahead while requests waited"
+
+
+def test_steps_run_ahead_while_admit_group_holds_the_queue(stream, reference):
+    """A queue held for admit_group makes the next step a decode of exactly the running requests
+    too: it runs ahead, and the outputs are unchanged."""
+    prompts, params = stream
+    llm = overlapped_llm(max_num_seqs=5, block_size=4, num_blocks=256, admit_group=4, admit_wait=6)
+    eng, launch, held = llm.engine, llm.engine.runner.launch, []
+
+    def watched(batch, after=None):
+        s = eng.scheduler
+        held.append(after is not None and bool(s.waiting) and None in s.slots)
+        return launch(batch, after=after)
+    eng.runner.launch = watched
+    got = run_stream(llm, prompts, params, [0] * len(prompts))
+    assert [got[i] for i in range(len(prompts))] == reference
+    assert any(held), "no step ran ahead while the queue was held"
