@@ -105,6 +105,17 @@ def warm_up(engine, show_progress: bool = True, force: bool = False) -> dict:
                 prefill_tiers=tiers)
 
 
+def _one_token(engine):
+    """A compile probe's inputs: one query token over layer 0's pages, whose table row points at
+    the null block (q, k_cache, v_cache, block_table, seq_lens)."""
+    kv, model = engine.kv_cache, engine.model
+    k, v = kv.k[0], kv.v[0]
+    hq = getattr(model, "num_heads", model.config.num_heads)
+    q = torch.randn(1, hq, k.shape[3], dtype=k.dtype, device=k.device)
+    table = torch.full((1, 4), kv.null_block, dtype=torch.int32, device=k.device)
+    return q, k, v, table, torch.ones(1, dtype=torch.int32, device=k.device)
+
+
 def compile_decode_splits(engine) -> list[int]:
     """One tiny split_kv decode launch per split count auto can choose, through the model's own
     decode kernel (its variant, launch config and PDL mode): each compiles its kernel variant.
@@ -116,13 +127,8 @@ def compile_decode_splits(engine) -> list[int]:
     if getattr(kernels, "backend", None) != "triton" or getattr(kernels, "decode_plugged", False) or \
             kernels.options.get("decode_variant") not in ("auto", "split_kv"):
         return []
-    kv = engine.kv_cache
-    k, v = kv.k[0], kv.v[0]
+    q, k, v, table, seq_lens = _one_token(engine)
     d = k.shape[3]
-    hq = getattr(model, "num_heads", model.config.num_heads)
-    q = torch.randn(1, hq, d, dtype=k.dtype, device=k.device)
-    table = torch.full((1, 4), kv.null_block, dtype=torch.int32, device=k.device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=k.device)
     done, n = [], 2
     while n <= MAX_SPLITS:
         kernels.decode_attention(q, k, v, table, seq_lens, d ** -0.5, n * MIN_SPLIT_LEN, num_splits=n)
@@ -142,13 +148,8 @@ def compile_prefill_tiers(engine) -> list[int]:
     kernels = model.kernels
     if getattr(kernels, "backend", None) != "triton":
         return []
-    kv = engine.kv_cache
-    k, v = kv.k[0], kv.v[0]
+    q, k, v, table, seq_lens = _one_token(engine)
     d = k.shape[3]
-    hq = getattr(model, "num_heads", model.config.num_heads)
-    q = torch.randn(1, hq, d, dtype=k.dtype, device=k.device)
-    table = torch.full((1, 4), kv.null_block, dtype=torch.int32, device=k.device)
-    seq_lens = torch.ones(1, dtype=torch.int32, device=k.device)
     cu = torch.tensor([0, 1], dtype=torch.int32, device=k.device)
     lengths = prefill_tier_lengths(kernels.options["prefill_config"])
     for n in lengths:
