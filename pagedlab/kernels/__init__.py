@@ -32,7 +32,8 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
     model calls them as it calls the references:
       decode_variant  naive | blocked | gqa | split_kv | auto (decode_attention.py)
       decode_config   changes to decode_attention.DECODE_CONFIG, e.g. {"split_kv": {"BLOCK_N": 64}}
-      prefill_config  changes to prefill_attention.PREFILL_CONFIG, e.g. {"num_stages": 2}
+      prefill_config  changes to prefill_attention.PREFILL_CONFIG (one entry per length tier),
+                      e.g. {"long": {"num_stages": 2}}
       gemv_config     changes to gemv.GEMV_CONFIG, e.g. {"residual": {"num_warps": 8}}
       pdl             "off" | "late" | None (the device's default; pdl.py)
     Each config is merged into the module's defaults (launch.merge_config: unknown names are an
