@@ -532,6 +532,35 @@ def test_attention_check(sol, capsys):
     fails(checks.check_attention, _attention_with(scale="d"), "1/sqrt(head_dim)", "1/D")
 
 
+# -- notebook 03: RoPE ----------------------------------------------------------------------------
+
+def _rope_with(pairs="halves", sign=1.0, swap=False, shift=0, rows=False):
+    import torch
+
+    def rope(x, pos, freqs):
+        p = torch.arange(len(pos)) if rows else pos + shift
+        ang = p[:, None].double() * freqs[None, :]
+        cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+        if pairs == "neighbours":
+            a, b = x[..., 0::2], x[..., 1::2]
+            return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        first, second = x1 * cos - sign * x2 * sin, x2 * cos + sign * x1 * sin
+        return torch.cat([second, first] if swap else [first, second], dim=-1)
+    return rope
+
+
+def test_rope_check(sol, capsys):
+    assert checks.check_rope(sol.rope) is sol.rope and "\u2713 rope" in capsys.readouterr().out
+    assert checks.check_rope(_rope_with()) is not None                         # the helper itself is right
+    fails(checks.check_rope, stub, "rope is not written yet", "show_solution('rope')")
+    fails(checks.check_rope, _rope_with(pairs="neighbours"), "pairs neighbours", "HALVES")
+    fails(checks.check_rope, _rope_with(sign=-1.0), "turns the wrong way")
+    fails(checks.check_rope, _rope_with(swap=True), "halves come back swapped")
+    fails(checks.check_rope, _rope_with(shift=1), "position + 1")
+    fails(checks.check_rope, _rope_with(rows=True), "the row number, not the token's position")
+
+
 # -- outside Jupyter ---------------------------------------------------------------------------------
 
 def test_check_a_chapter_from_the_command_line(tmp_path):

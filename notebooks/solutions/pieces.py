@@ -153,6 +153,14 @@ def bpe_piece(piece, ranks):
 
 
 # -- 03 -----------------------------------------------------------------------------------------
+def rope(x, pos, freqs):                         # x [T, H, D], pos [T], freqs [D/2]
+    import torch
+    ang = pos[:, None].double() * freqs[None, :]                 # [T, D/2]: position times frequency
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]   # broadcast over heads
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]           # coordinate i pairs with i + D/2
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def attention(q, k, v):                          # q [T, Hq, D], k/v [T, Hkv, D]
     import math
 

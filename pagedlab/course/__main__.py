@@ -16,7 +16,7 @@ def chapter_checks() -> dict:
         "00": [("timeline", checks.check_timeline)],
         "01": [("bpe_piece", checks.check_bpe_piece)],
         "02": [("read_tensor", checks.check_read_tensor)],
-        "03": [("attention", checks.check_attention)],
+        "03": [("rope", checks.check_rope), ("attention", checks.check_attention)],
         "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel)],
         "06": [("decode_one", checks.check_decode_one)],
         "07": [("Allocator", checks.check_allocator), ("token_slot", checks.check_token_slot)],

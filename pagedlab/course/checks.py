@@ -899,6 +899,80 @@ def _bpe_hint(piece, ranks, got, want) -> str:
 
 # -- notebook 03: grouped-query causal attention ----------------------------------------------------
 
+def _rope_variants(x, pos, freqs) -> dict:
+    """RoPE of x [T, H, D] at positions pos with one thing done another way: the usual mistakes."""
+    import torch
+    half = x.shape[-1] // 2
+
+    def rot(x1, x2, ang, sign=1.0):
+        cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+        return x1 * cos - sign * x2 * sin, x2 * cos + sign * x1 * sin
+
+    ang = pos[:, None].double() * freqs[None, :].double()
+    x1, x2 = x[..., :half], x[..., half:]
+    a, b = rot(x1, x2, ang)
+    out = {"right": torch.cat([a, b], -1)}
+    ie, io = rot(x[..., 0::2], x[..., 1::2], ang)                    # pairs (0, 1), (2, 3), ...
+    out["interleaved"] = torch.stack([ie, io], -1).flatten(-2)
+    out["sign"] = torch.cat(rot(x1, x2, ang, sign=-1.0), -1)
+    out["swapped"] = torch.cat([b, a], -1)
+    out["shifted"] = torch.cat(rot(x1, x2, (pos[:, None] + 1).double() * freqs[None, :].double()), -1)
+    out["index"] = torch.cat(rot(x1, x2, torch.arange(len(pos))[:, None].double() * freqs[None, :].double()), -1)
+    return out
+
+
+_ROPE_HINTS = {
+    "interleaved": "that pairs neighbours (0, 1), (2, 3), ... (GPT-J's layout). Llama rotates HALVES: coordinate "
+                   "i pairs with i + D/2 -- x1, x2 = x[..., :D/2], x[..., D/2:].",
+    "sign": "the rotation turns the wrong way: [x1 cos - x2 sin, x2 cos + x1 sin] (the minus goes on the "
+            "first half's x2 sin).",
+    "swapped": "the halves come back swapped: cat([x1 cos - x2 sin, x2 cos + x1 sin]) in that order.",
+    "shifted": "the angle uses position + 1: a token at position p turns by p * inv_freq (the first token, "
+               "p = 0, not at all).",
+    "index": "the angle uses the row number, not the token's position: use pos (a prompt's rows are at 0..T-1, "
+             "but a decode step's one row is at position n - 1).",
+}
+
+
+def check_rope(fn, seed: int = 0):
+    """`fn(x [T, H, D], pos [T], freqs [D/2])` -> x rotated (Llama's rotate-half RoPE): each pair
+    (i, i + D/2) of token t's vector turned by pos[t] * freqs[i]. Against pagedlab's rope_torch,
+    with positions that are not 0..T-1 (a decode step's one row, a later chunk) and llama3-scaled
+    frequencies."""
+    import torch
+    from ..config import LLAMA_3_2_1B
+    from ..kernels.rope import rope_inv_freq, rope_torch
+    fn = chapter.pick(fn, "rope")
+    g = torch.Generator().manual_seed(seed)
+    c = LLAMA_3_2_1B
+    cases = [("one token at position 0", [0], 2, 8, 10000.0, None),
+             ("a prompt at 0..6", list(range(7)), 3, 16, 10000.0, None),
+             ("a decode step: one row at position 37", [37], 2, 8, 10000.0, None),
+             ("a later chunk at 50..54", list(range(50, 55)), 1, 64, c.rope_theta, c.rope_scaling),
+             ("scattered positions", [3, 900, 17, 4000], 4, 64, c.rope_theta, c.rope_scaling)]
+    for what, pos, h, d, theta, scaling in cases:
+        x = torch.randn(len(pos), h, d, generator=g)
+        pos = torch.tensor(pos)
+        freqs = rope_inv_freq(d, theta, scaling)
+        where = f"rope(x [{len(pos)}, {h}, {d}], pos {pos.tolist()[:6]}, freqs)   # {what}"
+        got = chapter.call(fn, "rope", x.clone(), pos.clone(), freqs.clone())
+        cos_sin = torch.cat([(pos[:, None].double() * freqs).cos(), (pos[:, None].double() * freqs).sin()], -1).float()
+        want = rope_torch(x, x[:, :1], torch.arange(len(pos)), cos_sin)[0]
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(x.shape):
+            raise CheckFailed(f"{where} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; "
+                              f"expected a tensor of x's shape {tuple(x.shape)}.")
+        if torch.allclose(got.float(), want, atol=1e-4, rtol=1e-4):
+            continue
+        variants = _rope_variants(x, pos, freqs)
+        bug = next((k for k, v in variants.items() if k != "right" and torch.allclose(got.float(), v, atol=1e-4, rtol=1e-4)), None)
+        hint = _ROPE_HINTS.get(bug, "angle = pos[:, None] * freqs[None, :] ([T, D/2]); cos and sin of it, broadcast "
+                               "over the heads; x1, x2 = the two halves; cat([x1 cos - x2 sin, x2 cos + x1 sin]).")
+        raise CheckFailed(f"{where}: off by up to {(got.float() - want).abs().max().item():.3g}.\nHint: {hint}")
+    chapter.passed("rope", f"{len(cases)} cases equal pagedlab's rope_torch (a decode row, a later chunk, "
+                   "scattered positions, llama3-scaled frequencies)")
+    return fn
+
+
 def _gqa_reference(q, k, v):
     """Causal attention with grouped KV heads by torch's own scaled_dot_product_attention."""
     import torch
