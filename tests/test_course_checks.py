@@ -500,6 +500,37 @@ def test_bpe_piece_check(sol, capsys):
     fails(checks.check_bpe_piece, _bpe_with(as_bytes=True), "ids", "not their bytes")
 
 
+# -- notebook 01: the prompt queue ------------------------------------------------------------------
+
+def _admit_with(front=False, top=None, negative=True, empty=True, longest=None, check_first=True):
+    """The course's admit with one rule done another way."""
+    def admit(queue, prompt, vocab, max_len):
+        if not check_first:
+            queue.append(prompt)
+        if empty and not prompt:
+            raise ValueError("empty")
+        if any(t > vocab if top == "gt" else t >= vocab for t in prompt) or (negative and any(t < 0 for t in prompt)):
+            raise ValueError("vocab")
+        if len(prompt) > max_len if longest == "gt" else len(prompt) >= (max_len - 1 if longest == "short" else max_len):
+            raise ValueError("long")
+        if check_first:
+            (queue.appendleft if front else queue.append)(prompt)
+    return admit
+
+
+def test_admit_check(sol, capsys):
+    assert checks.check_admit(sol.admit) is sol.admit and "\u2713 admit" in capsys.readouterr().out
+    assert checks.check_admit(_admit_with()) is not None                     # the helper itself is right
+    fails(checks.check_admit, stub, "admit is not written yet", "show_solution('admit')")
+    fails(checks.check_admit, _admit_with(front=True), "BACK (queue.append)")
+    fails(checks.check_admit, _admit_with(top="gt"), "id == vocab (50)", "t >= vocab")
+    fails(checks.check_admit, _admit_with(negative=False), "negative id")
+    fails(checks.check_admit, _admit_with(empty=False), "empty prompt")
+    fails(checks.check_admit, _admit_with(longest="gt"), "refuse len(prompt) >= max_len")
+    fails(checks.check_admit, _admit_with(longest="short"), "max_len - 1 = 15 tokens fits")
+    fails(checks.check_admit, _admit_with(check_first=False), "changed the queue first", "BEFORE")
+
+
 # -- notebook 03: grouped-query causal attention -----------------------------------------------------
 
 def _attention_with(repeat="interleave", mask=True, diagonal=0, scale="sqrt"):

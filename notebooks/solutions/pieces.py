@@ -140,6 +140,17 @@ def read_tensor(path, name):
 
 
 # -- 01 -----------------------------------------------------------------------------------------
+def admit(queue, prompt, vocab, max_len):
+    if not prompt:
+        raise ValueError("empty prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]           # ids are 0 .. vocab - 1
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    if len(prompt) >= max_len:                                 # room for at least one new token
+        raise ValueError(f"prompt of {len(prompt)} tokens: at most {max_len - 1} fit")
+    queue.append(prompt)                                       # checked: now it waits, at the back
+
+
 def bpe_piece(piece, ranks):
     parts = [bytes([b]) for b in piece]                  # start from single bytes
     while len(parts) > 1:

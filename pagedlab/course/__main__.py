@@ -14,7 +14,7 @@ def chapter_checks() -> dict:
     from . import checks, parallel, prefix, quant, serving, spec
     return {
         "00": [("timeline", checks.check_timeline)],
-        "01": [("bpe_piece", checks.check_bpe_piece)],
+        "01": [("bpe_piece", checks.check_bpe_piece), ("admit", checks.check_admit)],
         "02": [("read_tensor", checks.check_read_tensor)],
         "03": [("rope", checks.check_rope), ("attention", checks.check_attention)],
         "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel)],

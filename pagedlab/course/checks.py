@@ -897,6 +897,81 @@ def _bpe_hint(piece, ranks, got, want) -> str:
             "is left; return [ranks[p] for p in parts].")
 
 
+# -- notebook 01: the prompt queue -----------------------------------------------------------------
+
+def _admit_cases():
+    """(what, prompt, vocab, max_len): prompts an engine must take and ones it must refuse."""
+    return [("a prompt", [5, 6, 7], 50, 16),
+            ("a second prompt: it waits BEHIND the first", [9, 9], 50, 16),
+            ("the last id of the vocabulary", [0, 49], 50, 16),
+            ("an id equal to the vocabulary size", [3, 50], 50, 16),
+            ("a negative id", [3, -1, 4], 50, 16),
+            ("an empty prompt", [], 50, 16),
+            ("a prompt one shorter than max_len", list(range(15)), 50, 16),
+            ("a prompt of exactly max_len tokens: no room for a new token", list(range(16)), 50, 16),
+            ("a third prompt", [1], 50, 16)]
+
+
+def _admit_hint(what, prompt, vocab, max_len, accepted) -> str:
+    if accepted:
+        if not prompt:
+            return "refuse an empty prompt: there is nothing to prefill."
+        if any(t < 0 for t in prompt):
+            return "token ids are 0 .. vocab - 1: refuse a negative id too (0 <= t < vocab for every t)."
+        if any(t >= vocab for t in prompt):
+            return (f"the vocabulary's ids are 0 .. {vocab - 1}: an id == vocab ({vocab}) is outside it -- "
+                    "refuse t >= vocab (an off-by-one with t > vocab lets it through).")
+        return (f"a sequence holds at most max_len = {max_len} tokens, the prompt AND at least one new token: "
+                f"refuse len(prompt) >= max_len.")
+    if len(prompt) == max_len - 1:
+        return (f"a prompt of max_len - 1 = {max_len - 1} tokens fits (one token left for the answer): refuse "
+                "only len(prompt) >= max_len.")
+    return "this prompt is fine: every id in [0, vocab), not empty, shorter than max_len."
+
+
+def check_admit(fn):
+    """`fn(queue, prompt, vocab, max_len)`: check a prompt of token ids and put it at the BACK of the
+    queue (a deque), or raise ValueError -- with the queue untouched -- when the prompt is empty,
+    holds an id outside [0, vocab), or leaves no room for a new token (len >= max_len): the
+    decisions of pagedlab's engine (engine.check_request) on prompts at each edge, in order."""
+    from ..engine import check_request
+    fn = chapter.pick(fn, "admit")
+    queue, want_queue = deque(), []
+    for what, prompt, vocab, max_len in _admit_cases():
+        try:
+            check_request(list(prompt), None, False, None, vocab, max_len)
+            ok = True
+        except ValueError:
+            ok = False
+        before = list(queue)
+        where = f"admit(queue, {prompt if len(prompt) < 8 else prompt[:4] + ['...']}, vocab={vocab}, max_len={max_len})   # {what}"
+        try:
+            fn(queue, list(prompt), vocab, max_len)
+            accepted = True
+        except ValueError:
+            accepted = False
+        except Exception as e:
+            raise chapter.raised("admit", e, where, "\nHint: refuse a bad prompt with raise ValueError(...), "
+                                 "saying what is wrong.") from None
+        if accepted != ok:
+            raise CheckFailed(f"{where}: {'took' if accepted else 'refused'} it; pagedlab's engine "
+                              f"{'takes' if ok else 'refuses'} it.\nHint: "
+                              f"{_admit_hint(what, prompt, vocab, max_len, accepted)}")
+        if ok:
+            want_queue.append(list(prompt))
+        if not ok and list(queue) != before:
+            raise CheckFailed(f"{where}: raised, but changed the queue first (now {list(queue)}).\nHint: check "
+                              "the whole prompt BEFORE you append it: a refused prompt leaves no trace.")
+        if [list(p) for p in queue] != want_queue:
+            hint = ("the queue is first in, first out: append new prompts at the BACK (queue.append); the engine "
+                    "takes from the front (popleft)." if sorted(map(tuple, queue)) == sorted(map(tuple, want_queue))
+                    else "put the prompt itself (its list of ids) in the queue, once.")
+            raise CheckFailed(f"{where}: the queue is now {list(queue)}, expected {want_queue}.\nHint: {hint}")
+    chapter.passed("admit", f"{len(_admit_cases())} prompts at each edge (last id, id = vocab, negative, empty, "
+                   "max_len - 1 and max_len tokens) taken or refused as pagedlab's engine does, FIFO")
+    return fn
+
+
 # -- notebook 03: grouped-query causal attention ----------------------------------------------------
 
 def _rope_variants(x, pos, freqs) -> dict:
