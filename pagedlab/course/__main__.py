@@ -17,7 +17,7 @@ def chapter_checks() -> dict:
         "01": [("bpe_piece", checks.check_bpe_piece), ("admit", checks.check_admit)],
         "02": [("read_tensor", checks.check_read_tensor)],
         "03": [("rope", checks.check_rope), ("attention", checks.check_attention)],
-        "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel)],
+        "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel), ("flash_attn_kernel", checks.check_flash_kernel)],
         "06": [("decode_one", checks.check_decode_one)],
         "07": [("Allocator", checks.check_allocator), ("token_slot", checks.check_token_slot)],
         "08": [("schedule_step", checks.check_schedule_step)],
@@ -88,4 +88,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    import sys
+    import torch
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads TRITON_INTERPRET when it is imported, and `python -m pagedlab.course` has
+        # imported pagedlab (and Triton) before this line: start again with the interpreter on
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, "-m", "pagedlab.course", *sys.argv[1:]])
     raise SystemExit(main())

@@ -640,6 +640,92 @@ def check_rmsnorm_kernel(kernel, seed: int = 0):
     return kernel
 
 
+def _flash_variants(q, k, v, block_m, block_n) -> dict:
+    """Causal GQA attention of q [T, HQ, D] over k, v [T, HKV, D] computed the way the kernel walks
+    it (query tiles of block_m, key tiles of block_n, online softmax), with one step done another
+    way: the usual mistakes of the tile loop, in float32."""
+    import torch
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    q, k, v = q.float(), k.float(), v.float()
+
+    def run(rescale_acc=True, rescale_l=True, mask="causal", scale=d ** -0.5, head=lambda h: h // (hq // hkv)):
+        out = torch.zeros(t, hq, d)
+        for h in range(hq):
+            kh = head(h)
+            for i in range(t):
+                tile_end = (i // block_m + 1) * block_m          # the keys the query's tile walks
+                m, l, acc = float("-inf"), torch.tensor(0.0), torch.zeros(d)
+                for start in range(0, min(tile_end, t), block_n):
+                    idx = torch.arange(start, min(start + block_n, t))
+                    s = (k[idx, kh] @ q[i, h]) * scale
+                    keep = idx <= i if mask == "causal" else idx < i if mask == "strict" else idx >= 0
+                    s = torch.where(keep, s, torch.tensor(float("-inf")))
+                    m_new = max(m, float(s.max()))
+                    if m_new == float("-inf"):
+                        continue
+                    alpha = math.exp(m - m_new) if m != float("-inf") else 0.0
+                    p = torch.exp(s - m_new)
+                    l = l * (alpha if rescale_l else 1.0) + p.sum()
+                    acc = acc * (alpha if rescale_acc else 1.0) + p @ v[idx, kh]
+                    m = m_new
+                out[i, h] = acc / l
+        return out
+
+    out = {"acc is not rescaled when a tile raises the max: acc = acc * alpha[:, None] + tl.dot(p, v), with "
+           "alpha = tl.exp(m - m_new)": lambda: run(rescale_acc=False),
+           "l is not rescaled when a tile raises the max: l = l * alpha + tl.sum(p, axis=1)": lambda: run(rescale_l=False),
+           "the future is not masked: set s to -inf where the key comes after the query, "
+           "tl.where(kn[None, :] <= offs_m[:, None], s, float('-inf'))": lambda: run(mask="none"),
+           "the diagonal is masked too: a token sees itself -- keep kn <= offs_m, not kn < offs_m": lambda: run(mask="strict"),
+           "the scores are not scaled: s = tl.dot(q, tl.trans(k)) * scale": lambda: run(scale=1.0)}
+    if hq != hkv:
+        out["query head h reads KV head h // (HQ // HKV) -- that is another KV head"] = lambda: run(head=lambda h: h % hkv)
+    return out
+
+
+def check_flash_kernel(kernel, seed: int = 0):
+    """`kernel[(cdiv(T, BLOCK_M), HQ)](q, k, v, out, T, scale, HQ=, HKV=, D=, BLOCK_M=16, BLOCK_N=16)`:
+    notebook 04's causal flash attention (one program per query tile and head, the key tiles walked
+    with an online softmax), against torch's scaled_dot_product_attention on lengths inside one
+    tile, across tiles and ragged (5, 16, 1, 33, 40), grouped heads and two head sizes. On a GPU in
+    fp16 (tolerance 2e-2), in Triton's interpreter on a CPU in fp32 (1e-4)."""
+    import torch
+    import triton
+    kernel = chapter.pick(kernel, "flash_attn_kernel")
+    gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.float16) if gpu else ("cpu", torch.float32)
+    tol = dict(atol=2e-2, rtol=2e-2) if gpu else dict(atol=1e-4, rtol=1e-4)
+    g = torch.Generator().manual_seed(seed)
+    bm = bn = 16
+    # first a length where only a stub gives NaN everywhere (a masked diagonal leaves row 0 empty)
+    cases = [(5, 2, 1, 16), (16, 2, 2, 16), (1, 1, 1, 16), (33, 4, 2, 16), (40, 3, 1, 32)]
+    for t, hq, hkv, d in cases:
+        q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+        out = torch.full_like(q, float("nan"))
+        where = f"flash_attn_kernel on T={t}, HQ={hq}, HKV={hkv}, D={d} (BLOCK_M = BLOCK_N = 16)"
+        try:
+            kernel[(triton.cdiv(t, bm), hq)](q, k, v, out, t, d ** -0.5, HQ=hq, HKV=hkv, D=d, BLOCK_M=bm, BLOCK_N=bn)
+        except Exception as e:
+            raise chapter.raised("flash_attn_kernel", e, where) from None
+        want = _gqa_reference(q.float(), k.float(), v.float())
+        got = out.float()
+        if torch.allclose(got, want, **tol):
+            continue
+        if bool(got.isnan().all()):
+            raise CheckFailed(chapter.not_written("flash_attn_kernel", "every output is NaN: acc / l with l still 0 -- "
+                              "the loop over key tiles updated nothing (or exp(-inf - (-inf)) made NaN)"))
+        bug = next((why for why, make in _flash_variants(q.cpu(), k.cpu(), v.cpu(), bm, bn).items()
+                    if torch.allclose(got.cpu(), make(), equal_nan=True, **tol)), None)
+        raise CheckFailed(f"{where}: off by up to {(got - want).abs().nan_to_num(1e9).max().item():.3g}.\nHint: "
+                          + (bug or "per key tile: s = tl.dot(q, tl.trans(k)) * scale; -inf where kn > offs_m or kn >= T; "
+                             "m_new = max(m, row max of s); alpha = exp(m - m_new); p = exp(s - m_new[:, None]); "
+                             "l = l * alpha + sum(p); acc = acc * alpha[:, None] + tl.dot(p, v); m = m_new."))
+    chapter.passed("flash_attn_kernel", f"{len(cases)} shapes (one token, one tile, across tiles, ragged, grouped "
+                   "heads, D 16 and 32) equal torch's scaled_dot_product_attention")
+    return kernel
+
+
 def _rmsnorm_diagnosis(x, w, out, want, eps, block) -> str:
     """What is wrong with out (expected: want), named by the likely bug."""
     import torch
