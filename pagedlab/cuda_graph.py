@@ -65,7 +65,7 @@ class DecodeGraphs:
         self._padding = np.array([self.padding_row()] * big, dtype=np.int64)
         self._own_token = big + COLS * np.arange(big, dtype=np.int64)
         self._padding[:, 5] = self._own_token
-        self.inputs.copy_(torch.from_numpy(self._padding))
+        self.fill_padding()
         # host sides of the copies, two of each: while step n's copies may still be pending, step
         # n+1 fills the other one. Pinned (page-locked), so each copy is a plain async DMA.
         pin = dev.type == "cuda"
@@ -113,6 +113,11 @@ class DecodeGraphs:
                 self.graphs[b] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+    def fill_padding(self) -> None:
+        """Every input row a padding row (null block, its own token): a replay of any size then
+        reads and writes nothing of a request's (what a benchmark replays)."""
+        self.inputs.copy_(torch.from_numpy(self._padding))
 
     def batch_size(self, n: int) -> int | None:
         """The captured size that holds n rows (None if none does)."""

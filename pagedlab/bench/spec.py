@@ -267,7 +267,7 @@ def run(argv=None) -> dict:
     graphs = llm.engine.runner.graphs
     if args.replay and graphs is not None and graphs.capture:
         from triton.testing import do_bench
-        graphs.inputs.copy_(torch.from_numpy(graphs._padding))
+        graphs.fill_padding()
         results["replay_ms"] = {b: do_bench(lambda b=b: graphs.replay(b), warmup=50, rep=200)
                                 for b in graphs.sizes if b <= 16}
         print("graph replay ms by rows:", {b: round(v, 4) for b, v in results["replay_ms"].items()}, flush=True)
