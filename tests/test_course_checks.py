@@ -470,6 +470,89 @@ def test_read_tensor_check(sol, capsys):
     fails(checks.check_read_tensor, _reader(f16="<u2"), "IEEE half precision")
 
 
+def _parser(relative=False, forgot_8=False, keep_meta=False, length="<Q", bounds=True, size=True,
+            strict=False, short=True, cut_header=True):
+    """The course's parse_header with one thing done another way (or one check left out)."""
+    import json
+    import math
+    import struct
+
+    def parse_header(buf):
+        if short and len(buf) < 8:
+            raise ValueError("short")
+        w = struct.calcsize(length)
+        (n,) = struct.unpack(length, buf[:w])
+        if cut_header and w + n > len(buf):
+            raise ValueError("cut header")
+        header, data = json.loads(buf[w:w + n]), w + n
+        out = {}
+        for name, h in header.items():
+            if name == "__metadata__" and not keep_meta:
+                continue
+            if name == "__metadata__":
+                out[name] = h
+                continue
+            start, end = h["data_offsets"]
+            if bounds and not 0 <= start <= end <= len(buf) - data:
+                raise ValueError("out of range")
+            if strict and start >= end:
+                raise ValueError("no bytes")
+            if size and end - start != math.prod(h["shape"]) * {"BF16": 2, "F16": 2, "F32": 4}[h["dtype"]]:
+                raise ValueError("size")
+            shift = 0 if relative else (data - 8 if forgot_8 else data)
+            out[name] = (h["dtype"], h["shape"], start + shift, end + shift)
+        return out
+    return parse_header
+
+
+def test_parse_header_check(sol, capsys):
+    assert checks.check_parse_header(sol.parse_header) is sol.parse_header
+    assert "\u2713 parse_header" in capsys.readouterr().out
+    assert checks.check_parse_header(_parser()) is not None                   # the helper itself is right
+    for seed in (1, 2):                                                        # other random files
+        checks.check_parse_header(sol.parse_header, seed=seed)
+    fails(checks.check_parse_header, stub, "parse_header is not written yet", "show_solution('parse_header')")
+    fails(checks.check_parse_header, _parser(relative=True), "count from the end of the header", "8 + N")
+    fails(checks.check_parse_header, _parser(forgot_8=True), "add 8 + N, not N")
+    fails(checks.check_parse_header, _parser(keep_meta=True), "'__metadata__' entry", "leave it out")
+    fails(checks.check_parse_header, _parser(length="<I"), "unsigned 64-bit little-endian", "'<Q'")
+    fails(checks.check_parse_header, _parser(strict=True), "empty tensor", "start == end is allowed")
+    fails(checks.check_parse_header, _parser(short=False), "5 bytes", "len(buf) >= 8", "struct.error")
+    checks.check_parse_header(_parser(cut_header=False))     # json.loads of a cut header raises a ValueError itself
+    fails(checks.check_parse_header, _parser(bounds=False), "cut 3 bytes before the end", "inside the file")
+    fails(checks.check_parse_header, _parser(size=False), "does not fit its bytes", "prod(shape)")
+
+
+def _bf16(way="shift"):
+    """bf16 bytes -> fp32, the right way or one of the usual wrong ones."""
+    import numpy as np
+    import torch
+
+    def bf16_to_fp32(raw):
+        u = np.frombuffer(raw, ">u2" if way == "big" else "<u2").astype(np.uint32)
+        arr = {"shift": lambda: (u << 16).view(np.float32), "big": lambda: (u << 16).view(np.float32),
+               "raw": lambda: u.astype(np.float32), "low": lambda: u.view(np.float32),
+               "astype": lambda: (u << 16).astype(np.float32), "shift8": lambda: (u << 8).view(np.float32),
+               "fp16": lambda: np.frombuffer(raw, "<f2").astype(np.float32),
+               "float64": lambda: (u << 16).view(np.float32).astype(np.float64)}[way]()
+        return torch.from_numpy(arr.copy())
+    return bf16_to_fp32
+
+
+def test_bf16_to_fp32_check(sol, capsys):
+    assert checks.check_bf16_to_fp32(sol.bf16_to_fp32) is sol.bf16_to_fp32
+    assert "\u2713 bf16_to_fp32" in capsys.readouterr().out
+    assert checks.check_bf16_to_fp32(_bf16()) is not None                      # the helper itself is right
+    fails(checks.check_bf16_to_fp32, stub, "bf16_to_fp32 is not written yet")
+    fails(checks.check_bf16_to_fp32, _bf16("raw"), "raw 16-bit patterns", "TOP half")
+    fails(checks.check_bf16_to_fp32, _bf16("low"), "LOW half")
+    fails(checks.check_bf16_to_fp32, _bf16("astype"), "reinterpret the 32 bits", "astype")
+    fails(checks.check_bf16_to_fp32, _bf16("shift8"), "shift by 16, not 8")
+    fails(checks.check_bf16_to_fp32, _bf16("fp16"), "bf16 is not fp16")
+    fails(checks.check_bf16_to_fp32, _bf16("big"), "little-endian")
+    fails(checks.check_bf16_to_fp32, _bf16("float64"), "float64", "expected a float32 tensor")
+
+
 # -- notebook 01: the byte-pair merge loop ---------------------------------------------------------
 
 def _bpe_with(choose="lowest", once=False, as_bytes=False):

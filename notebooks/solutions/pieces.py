@@ -116,27 +116,50 @@ def make_room(state, seq):
 
 
 # -- 02 -----------------------------------------------------------------------------------------
-def read_tensor(path, name):
+def parse_header(buf):
     import json
+    import math
     import struct
+    if len(buf) < 8:
+        raise ValueError(f"{len(buf)} bytes: too short for the 8-byte header length")
+    (n,) = struct.unpack("<Q", buf[:8])                        # u64, little-endian
+    if 8 + n > len(buf):
+        raise ValueError(f"header of {n} bytes past the end of a {len(buf)}-byte file")
+    header, data = json.loads(buf[8:8 + n]), 8 + n           # the data starts after the JSON
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":                             # free-form strings, not a tensor
+            continue
+        start, end = h["data_offsets"]                         # counted from the end of the header
+        if not 0 <= start <= end <= len(buf) - data:
+            raise ValueError(f"{name}: bytes {start}..{end} outside the {len(buf) - data} bytes of data")
+        size = {"BF16": 2, "F16": 2, "F32": 4}[h["dtype"]]
+        if end - start != math.prod(h["shape"]) * size:
+            raise ValueError(f"{name}: {end - start} bytes for shape {h['shape']} of {h['dtype']}")
+        out[name] = (h["dtype"], h["shape"], data + start, data + end)
+    return out
+
+
+def bf16_to_fp32(raw):
+    import numpy as np
+    import torch
+    bits = np.frombuffer(raw, dtype="<u2").astype(np.uint32)    # widen the 16 bits to 32
+    return torch.from_numpy((bits << 16).view(np.float32).copy())   # the top half of an fp32
+
+
+def read_tensor(path, name):
+    import mmap
 
     import numpy as np
     import torch
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))           # u64, little-endian
-        h = json.loads(f.read(header_len))[name]
-        start, end = h["data_offsets"]                           # from the end of the header
-        f.seek(8 + header_len + start)
-        raw = f.read(end - start)
-    if h["dtype"] == "BF16":                                     # the top half of an fp32
-        arr = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-    elif h["dtype"] == "F16":
-        arr = np.frombuffer(raw, dtype="<f2").astype(np.float32)
-    elif h["dtype"] == "F32":
-        arr = np.frombuffer(raw, dtype="<f4")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        dtype, shape, start, end = parse_header(buf)[name]
+        raw = buf[start:end]
+    if dtype == "BF16":
+        x = bf16_to_fp32(raw)
     else:
-        raise NotImplementedError(h["dtype"])
-    return torch.from_numpy(arr.copy()).reshape(h["shape"])
+        x = torch.from_numpy(np.frombuffer(raw, {"F16": "<f2", "F32": "<f4"}[dtype]).astype(np.float32))
+    return x.reshape(shape)
 
 
 # -- 01 -----------------------------------------------------------------------------------------
@@ -164,6 +187,25 @@ def bpe_piece(piece, ranks):
 
 
 # -- 03 -----------------------------------------------------------------------------------------
+def rms_norm(x, w, eps):                         # x [..., H], w [H]
+    import torch
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w     # no mean subtracted, eps inside
+
+
+def decoder_layer(h, W, i, pos, freqs, cfg):     # h [T, hidden] -> h after layer i
+    import torch.nn.functional as F
+    p, t, eps = f"model.layers.{i}.", h.shape[0], cfg.rms_norm_eps
+    x = rms_norm(h, W[p + "input_layernorm.weight"], eps)
+    q = (x @ W[p + "self_attn.q_proj.weight"].T).view(t, cfg.num_heads, cfg.head_dim)
+    k = (x @ W[p + "self_attn.k_proj.weight"].T).view(t, cfg.num_kv_heads, cfg.head_dim)
+    v = (x @ W[p + "self_attn.v_proj.weight"].T).view(t, cfg.num_kv_heads, cfg.head_dim)
+    o = attention(rope(q, pos, freqs), rope(k, pos, freqs), v)          # v is not rotated
+    h = h + o.reshape(t, -1) @ W[p + "self_attn.o_proj.weight"].T       # the residual add
+    x = rms_norm(h, W[p + "post_attention_layernorm.weight"], eps)      # the updated h, its own norm
+    gate, up = x @ W[p + "mlp.gate_proj.weight"].T, x @ W[p + "mlp.up_proj.weight"].T
+    return h + (F.silu(gate) * up) @ W[p + "mlp.down_proj.weight"].T
+
+
 def rope(x, pos, freqs):                         # x [T, H, D], pos [T], freqs [D/2]
     import torch
     ang = pos[:, None].double() * freqs[None, :]                 # [T, D/2]: position times frequency

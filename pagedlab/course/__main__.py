@@ -15,7 +15,8 @@ def chapter_checks() -> dict:
     return {
         "00": [("timeline", checks.check_timeline)],
         "01": [("bpe_piece", checks.check_bpe_piece), ("admit", checks.check_admit)],
-        "02": [("read_tensor", checks.check_read_tensor)],
+        "02": [("parse_header", checks.check_parse_header), ("bf16_to_fp32", checks.check_bf16_to_fp32),
+               ("read_tensor", checks.check_read_tensor)],
         "03": [("rope", checks.check_rope), ("attention", checks.check_attention)],
         "04": [("rmsnorm_kernel", checks.check_rmsnorm_kernel), ("flash_attn_kernel", checks.check_flash_kernel)],
         "06": [("decode_one", checks.check_decode_one)],

@@ -864,6 +864,252 @@ def _read_tensor_value_hint(path, name, got, want_all) -> str:
     return "Hint: F32 is four bytes per number, little-endian (numpy '<f4')."
 
 
+# -- notebook 02: the header parse and the bf16 bit shift, each on its own -------------------------------
+
+ST_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}         # bytes per number of the dtypes the course meets
+
+
+def _st_header(buf: bytes) -> tuple[dict, int]:
+    """The JSON header of a well-formed safetensors file and where its data starts (for the checks'
+    own edits and diagnoses; the learner's parse_header is checked against the library)."""
+    import json
+    import struct
+    (n,) = struct.unpack("<Q", buf[:8])
+    return json.loads(buf[8:8 + n]), 8 + n
+
+
+def _st_rebuild(buf: bytes, edit) -> bytes:
+    """buf with its JSON header changed by edit(header) (padded with spaces to a multiple of 8, as
+    the library writes it) and the same data bytes after it."""
+    import json
+    import struct
+    header, start = _st_header(buf)
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + buf[start:]
+
+
+def _random_st_tensors(g, rng, n: int) -> dict:
+    """n tensors of random dtypes (BF16, F16, F32) at irregular shapes: 0-d to 3-d, sides 1-7."""
+    import torch
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    out = {}
+    for i in range(n):
+        shape = [rng.randint(1, 7) for _ in range(rng.randint(0, 3))]
+        out[f"layers.{i}.w{rng.randint(0, 99)}"] = (torch.randn(shape, generator=g) * 3).to(rng.choice(dtypes))
+    return out
+
+
+def _parse_header_cases(seed: int = 0):
+    """(valid, broken): valid = [(what, file bytes)] written by the safetensors library; broken =
+    [(what, bytes, hint)] cut or edited from a valid file, each refused by the library."""
+    import random
+
+    import torch
+    from safetensors.torch import save
+    g, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    valid = [
+        ("one fp32 matrix", save({"w": torch.randn(3, 5, generator=g)})),
+        ("BF16, F16 and F32 tensors and a __metadata__ entry",
+         save({"embed": torch.randn(4, 6, generator=g).to(torch.bfloat16), "norm": torch.rand(6, generator=g),
+               "half": torch.randn(2, 3, 2, generator=g).to(torch.float16)},
+              metadata={"format": "pt", "note": "made by the check"})),
+        ("an empty tensor (shape [0, 4]) and a 0-d scalar (shape [])",
+         save({"empty": torch.zeros(0, 4, dtype=torch.bfloat16), "scalar": torch.tensor(2.5),
+               "v": torch.randn(7, generator=g).to(torch.bfloat16)})),
+    ] + [(f"{n} random tensors at irregular shapes", save(_random_st_tensors(g, rng, n))) for n in (1, 5, 9)]
+    base = valid[1][1]
+    header, start = _st_header(base)
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    last, first = names[-1], names[0]
+    size = len(base) - start
+
+    def moved(h):                                     # the last tensor's bytes placed past the file's end
+        a, b = h[last]["data_offsets"]
+        h[last]["data_offsets"] = [a + size, b + size]
+
+    def reshaped(h):                                  # a shape that does not fit the tensor's bytes
+        h[first]["shape"] = [d + 1 for d in h[first]["shape"]]
+
+    def swapped(h):
+        h[first]["data_offsets"] = h[first]["data_offsets"][::-1]
+    bounds = ("Hint: check that every tensor's bytes lie inside the file: 0 <= start <= end and 8 + N + end "
+              "<= len(buf); otherwise raise ValueError (a cut download, or a bad header).")
+    broken = [
+        ("a file of 5 bytes (no room for the 8-byte length)", base[:5],
+         "Hint: a file shorter than 8 bytes has no header length: check len(buf) >= 8 first and raise "
+         "ValueError (struct.unpack of fewer bytes raises struct.error, not a ValueError)."),
+        ("a file cut inside its JSON header", base[:start - 9],
+         "Hint: the header length N may point past the end of a cut file: check 8 + N <= len(buf) and raise "
+         "ValueError before parsing the JSON."),
+        ("a file cut 3 bytes before the end of its data", base[:-3], bounds),
+        (f"offsets of {last!r} past the end of the data", _st_rebuild(base, moved), bounds),
+        (f"offsets swapped (start > end) for {first!r}", _st_rebuild(base, swapped), bounds),
+        (f"a shape of {first!r} that does not fit its bytes", _st_rebuild(base, reshaped),
+         "Hint: end - start must be the tensor's size in bytes: prod(shape) * bytes per number (BF16 and F16 "
+         "2, F32 4); otherwise raise ValueError (the header lies about the tensor)."),
+    ]
+    return valid, broken
+
+
+def _library_refuses(buf: bytes) -> bool:
+    from safetensors.torch import load
+    try:
+        load(buf)
+    except Exception:
+        return True
+    return False
+
+
+def check_parse_header(fn, seed: int = 0):
+    """`fn(buf)` -> {name: (dtype, shape, start, end)} for the bytes of a safetensors file, start and
+    end counted from the start of the file (so buf[start:end] are the tensor's bytes), __metadata__
+    left out; a ValueError for a file that is cut or whose header does not fit its bytes. Against
+    the safetensors library: every tensor's dtype, shape and bytes, on files it wrote (random
+    dtypes and irregular shapes, an empty tensor, a 0-d scalar, __metadata__) and on files it refuses."""
+    import torch
+    from safetensors.torch import load
+    fn = chapter.pick(fn, "parse_header")
+    valid, broken = _parse_header_cases(seed)
+    for what, buf in valid:
+        where = f"parse_header(buf) on a file with {what}"
+        header, start = _st_header(buf)
+        try:
+            got = fn(buf)
+        except Exception as e:
+            raise chapter.raised("parse_header", e, where, f"\n{_parse_header_error_hint(e, header)}") from None
+        want = load(buf)
+        if not isinstance(got, dict):
+            raise CheckFailed(f"{where} returned {type(got).__name__}: return a dict name -> (dtype, shape, start, end).")
+        if "__metadata__" in got:
+            raise CheckFailed(f"{where}: the result has a '__metadata__' entry.\nHint: __metadata__ holds free-form "
+                              "strings, not a tensor: leave it out.")
+        if set(got) != set(want):
+            raise CheckFailed(f"{where}: tensors {sorted(got)}, expected {sorted(want)}.\nHint: one entry per key of "
+                              "the JSON header (but __metadata__).")
+        for name, t in want.items():
+            try:
+                dtype, shape, a, b = got[name]
+            except (TypeError, ValueError):
+                raise CheckFailed(f"{where}: [{name!r}] is {got[name]!r}; expected a tuple (dtype, shape, start, end)."
+                                  ) from None
+            if dtype != header[name]["dtype"] or list(shape) != list(t.shape):
+                raise CheckFailed(f"{where}: [{name!r}] has dtype {dtype!r}, shape {list(shape)}; expected "
+                                  f"{header[name]['dtype']!r}, {list(t.shape)}.\nHint: copy 'dtype' and 'shape' "
+                                  "from the tensor's JSON entry.")
+            s, e = (o + start for o in header[name]["data_offsets"])
+            if (a, b) != (s, e) or buf[a:b] != t.contiguous().view(-1).view(torch.uint8).numpy().tobytes():
+                raise CheckFailed(f"{where}: [{name!r}] at bytes {a}..{b}, expected {s}..{e} (the header is "
+                                  f"{start - 8} bytes).\n"
+                                  f"{_parse_header_offset_hint(a, b, header[name]['data_offsets'], start)}")
+    for what, buf, hint in broken:
+        if not _library_refuses(buf):               # pragma: no cover  (every case is refused by the library)
+            continue
+        where = f"parse_header(buf) on {what}"
+        try:
+            got = fn(buf)
+        except ValueError:
+            continue
+        except Exception as e:
+            raise chapter.raised("parse_header", e, where, f" -- a broken file must raise ValueError.\n{hint}") from None
+        raise CheckFailed(f"{where} returned {type(got).__name__} instead of raising ValueError (the safetensors "
+                          f"library refuses that file).\n{hint}")
+    chapter.passed("parse_header", f"{len(valid)} files equal the safetensors library's dtypes, shapes and bytes (random "
+                   f"irregular shapes, empty, 0-d, __metadata__); {len(broken)} broken files refused")
+    return fn
+
+
+def _parse_header_error_hint(e, header) -> str:
+    import json
+    import struct
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError, struct.error)):
+        return ("Hint: the first 8 bytes are the header's length N, an unsigned 64-bit little-endian integer "
+                "(struct.unpack('<Q', buf[:8])); the next N bytes are the JSON.")
+    if any(0 in h["shape"] for k, h in header.items() if k != "__metadata__") and isinstance(e, ValueError):
+        return ("Hint: an empty tensor (a 0 in its shape) has no bytes: start == end is allowed, and "
+                "prod(shape) is 0.")
+    if "__metadata__" in header:
+        return ("Hint: skip the '__metadata__' key: it holds free-form strings (no dtype, shape or offsets), "
+                "not a tensor.")
+    return "Hint: read N from the first 8 bytes, json.loads(buf[8:8 + N]), then one entry per tensor."
+
+
+def _parse_header_offset_hint(a, b, offsets, start) -> str:
+    s, e = offsets
+    if (a, b) == (s, e):
+        return ("Hint: data_offsets count from the end of the header, not from the start of the file: add "
+                "8 + N (the length bytes and the JSON).")
+    if (a, b) == (s + start - 8, e + start - 8):
+        return "Hint: add 8 + N, not N: the 8 bytes of the length come before the JSON."
+    return "Hint: start, end = data_offsets, each plus 8 + N (where the data begins)."
+
+
+def _bf16_variants(raw: bytes) -> dict:
+    """What raw bf16 bytes become when decoded one wrong way or another (name -> fp32 numpy array)."""
+    import numpy as np
+    u = np.frombuffer(raw, "<u2").astype(np.uint32)
+    return {"raw": u.astype(np.float32),
+            "low": u.view(np.float32),
+            "astype": (u << 16).astype(np.float32),
+            "fp16": np.frombuffer(raw, "<f2").astype(np.float32),
+            "big": (np.frombuffer(raw, ">u2").astype(np.uint32) << 16).view(np.float32),
+            "shift8": (u << 8).view(np.float32)}
+
+
+_BF16_HINTS = {
+    "raw": "those are the raw 16-bit patterns as numbers: a bf16 is the TOP half of an fp32 -- shift it up.",
+    "low": "the 16 bits sit in the LOW half of the 32-bit word (tiny subnormal numbers): shift them up by 16 first.",
+    "astype": "after the shift, reinterpret the 32 bits as a float (.view(np.float32)); astype converts the "
+              "integer's value (1065353216 for 1.0) instead.",
+    "fp16": "bf16 is not fp16: it has 8 exponent bits (fp32's), fp16 has 5 -- widen to uint32 and shift by 16, "
+            "do not decode as '<f2'.",
+    "big": "safetensors is little-endian: read the 16-bit words as '<u2' (or np.uint16 on a little-endian machine).",
+    "shift8": "shift by 16, not 8: the bf16 bits become the top 16 of the 32.",
+}
+
+
+def check_bf16_to_fp32(fn, seed: int = 0):
+    """`fn(raw)` -> a 1-d fp32 torch tensor from the bytes of n bf16 numbers (2n bytes, little-endian),
+    by the bit shift. Against torch's own bf16 -> fp32 conversion, bit for bit (NaN, infinities,
+    -0.0, subnormals and bf16's largest and smallest included), at lengths 0, 1 and irregular ones."""
+    import numpy as np
+    import torch
+    fn = chapter.pick(fn, "bf16_to_fp32")
+    g = torch.Generator().manual_seed(seed)
+    special = torch.tensor([1.0, -2.5, 1 / 3, 3.3895e38, -3.3895e38, 1.1755e-38, 9.2e-41, -0.0, 0.0,
+                            float("inf"), float("-inf"), float("nan")]).to(torch.bfloat16)
+    cases = [("1.0 alone", torch.tensor([1.0]).to(torch.bfloat16)),
+             ("extremes: largest, smallest normal, subnormal, -0.0, +-inf, NaN", special),
+             ("no numbers at all (0 bytes)", torch.zeros(0, dtype=torch.bfloat16)),
+             ("13 random numbers", (torch.randn(13, generator=g) * 10).to(torch.bfloat16)),
+             ("257 random numbers at many scales",
+              (torch.randn(257, generator=g) * torch.logspace(-30, 30, 257)).to(torch.bfloat16))]
+    for what, t in cases:
+        raw = t.view(torch.int16).numpy().astype("<i2").tobytes()
+        want = t.float()
+        where = f"bf16_to_fp32(raw) on {what} ({len(raw)} bytes)"
+        got = chapter.call(fn, "bf16_to_fp32", raw)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.float32 or tuple(got.shape) != tuple(want.shape):
+            raise CheckFailed(f"{where} returned {type(got).__name__} {getattr(got, 'dtype', '')} "
+                              f"{tuple(getattr(got, 'shape', ()))}; expected a float32 tensor of shape "
+                              f"{tuple(want.shape)} (one number per 2 bytes).\nHint: torch.from_numpy(arr.copy()) "
+                              "of the float32 array.")
+        if torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            continue
+        flat = got.numpy()
+        bug = next((k for k, v in _bf16_variants(raw).items()
+                    if np.array_equal(v.view(np.uint32), flat.view(np.uint32))), None)
+        hint = _BF16_HINTS.get(bug, "np.frombuffer(raw, '<u2').astype(np.uint32) << 16, then .view(np.float32): "
+                                    "the bits move, the value is not computed.")
+        bad = int((got.view(torch.int32) != want.view(torch.int32)).nonzero()[0])
+        raise CheckFailed(f"{where}: number {bad} is {got[bad].item()!r}, expected {want[bad].item()!r} (bits "
+                          f"0x{int(want.view(torch.int32)[bad]) & 0xffffffff:08x}).\nHint: {hint}")
+    chapter.passed("bf16_to_fp32", f"{len(cases)} cases equal torch's bf16 -> fp32 bit for bit (NaN, +-inf, -0.0, "
+                   "subnormals, 0 and 257 numbers)")
+    return fn
+
+
 # -- notebook 01: the byte-pair merge loop ---------------------------------------------------------
 
 BPE_TEXT = ("the cat sat on the mat. the dog ate the bread; then the cat and the dog slept in the "
@@ -1056,6 +1302,206 @@ def check_admit(fn):
     chapter.passed("admit", f"{len(_admit_cases())} prompts at each edge (last id, id = vocab, negative, empty, "
                    "max_len - 1 and max_len tokens) taken or refused as pagedlab's engine does, FIFO")
     return fn
+
+
+# -- notebook 03: RMSNorm, then one decoder layer from the learner's pieces -----------------------------
+
+def _rms_norm_variants(x, w, eps) -> dict:
+    """RMSNorm of x over its last dimension with one thing done another way: the usual mistakes."""
+    import torch
+    ms = x.pow(2).mean(-1, keepdim=True)
+    return {"sum": x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * w,
+            "no_eps": x * torch.rsqrt(ms) * w,
+            "eps_outside": x / (ms.sqrt() + eps) * w,
+            "no_weight": x * torch.rsqrt(ms + eps),
+            "centred": (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + eps) * w,
+            "no_rsqrt": x / (ms + eps) * w,
+            "first_dim": x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + eps) * w}
+
+
+_RMS_NORM_HINTS = {
+    "sum": "divide by the root of the MEAN of x\u00b2 over the last dimension (sum / H), not of the sum.",
+    "no_eps": "add eps inside the square root: sqrt(mean(x\u00b2) + eps) -- an all-zero row then gives zeros, not NaN.",
+    "eps_outside": "eps goes inside the square root: x / sqrt(mean(x\u00b2) + eps), not x / (sqrt(mean(x\u00b2)) + eps).",
+    "no_weight": "multiply by the learned weight w at the end (one number per feature).",
+    "centred": "RMSNorm does not subtract the mean (that is LayerNorm): x / sqrt(mean(x\u00b2) + eps) * w.",
+    "no_rsqrt": "take the square root: x / sqrt(mean(x\u00b2) + eps), not x / (mean(x\u00b2) + eps).",
+    "first_dim": "normalize each token's vector: the mean runs over the LAST dimension (mean(-1, keepdim=True)).",
+}
+
+
+def check_rms_norm(fn, seed: int = 0):
+    """`fn(x [..., H], w [H], eps)` -> x / sqrt(mean(x\u00b2 over the last dimension) + eps) * w, against
+    pagedlab's rms_norm_torch: one token, irregular T and H, a 3-d input (heads), a row of zeros (eps
+    keeps it finite), rows of huge and tiny numbers, eps 1e-5 and 1e-6."""
+    import torch
+    from ..kernels.rmsnorm import rms_norm_torch
+    fn = chapter.pick(fn, "rms_norm")
+    g = torch.Generator().manual_seed(seed)
+    cases = [("one token", (1, 8), 1e-5, 1.0), ("7 tokens of 48 features", (7, 48), 1e-5, 1.0),
+             ("13 tokens of 5 features", (13, 5), 1e-6, 1.0), ("3 tokens, 4 heads of 6 (a 3-d input)", (3, 4, 6), 1e-5, 1.0),
+             ("6 tokens, the second all zeros", (6, 9), 1e-5, 0.0), ("4 tokens of huge numbers", (4, 11), 1e-6, 1e4),
+             ("4 tokens of tiny numbers (eps matters)", (4, 11), 1e-5, 1e-3)]
+    for what, shape, eps, scale in cases:
+        x = torch.randn(shape, generator=g) * (scale or 1.0)
+        if scale == 0.0:
+            x[1] = 0.0
+        w = 1.0 + 0.5 * torch.randn(shape[-1], generator=g)
+        where = f"rms_norm(x {list(shape)}, w [{shape[-1]}], eps={eps:g})   # {what}"
+        got = chapter.call(fn, "rms_norm", x.clone(), w.clone(), eps)
+        want = rms_norm_torch(x, w, eps)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(x.shape):
+            raise CheckFailed(f"{where} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; expected a "
+                              f"tensor of x's shape {tuple(x.shape)}.\nHint: mean(-1, keepdim=True) keeps the last "
+                              "dimension, so the division broadcasts over it.")
+        if torch.allclose(got.float(), want, atol=1e-5, rtol=1e-5):
+            continue
+        variants = _rms_norm_variants(x, w, eps)
+        bug = next((k for k, v in variants.items()
+                    if torch.allclose(got.float(), v, atol=1e-5, rtol=1e-5, equal_nan=True)), None)
+        hint = _RMS_NORM_HINTS.get(bug, "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.")
+        err = (got.float() - want).abs().nan_to_num(float("inf")).max().item()
+        raise CheckFailed(f"{where}: off by up to {err:.3g}.\nHint: {hint}")
+    chapter.passed("rms_norm", f"{len(cases)} cases equal pagedlab's rms_norm_torch (one token, irregular shapes, 3-d, "
+                   "a zero row, huge and tiny numbers)")
+    return fn
+
+
+def _layer_reference(h, W, i, pos, freqs, cfg, bug=None):
+    """One Llama decoder layer in plain torch (pagedlab's rms_norm_torch and rope_torch, torch's
+    attention), or with one planted bug: the usual mistakes, to name the learner's."""
+    import torch
+    import torch.nn.functional as F
+    from ..kernels.rmsnorm import rms_norm_torch
+    from ..kernels.rope import rope_torch
+    p, t, d, eps = f"model.layers.{i}.", h.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    ang = pos[:, None].double() * freqs[None, :].double()
+    cos_sin = torch.cat([ang.cos(), ang.sin()], -1).float()
+    rows = torch.arange(t)
+    x = rms_norm_torch(h, W[p + "input_layernorm.weight"], eps)
+    q = (x @ W[p + "self_attn.q_proj.weight"].T).view(t, cfg.num_heads, d)
+    k = (x @ W[p + "self_attn.k_proj.weight"].T).view(t, cfg.num_kv_heads, d)
+    v = (x @ W[p + "self_attn.v_proj.weight"].T).view(t, cfg.num_kv_heads, d)
+    rq, rk = rope_torch(q, k, rows, cos_sin)
+    if bug == "no_rope_k":
+        rk = k
+    if bug == "rope_v":
+        v = rope_torch(v, v, rows, cos_sin)[0]
+    o = _gqa_reference(rq, rk, v).reshape(t, -1) @ W[p + "self_attn.o_proj.weight"].T
+    h2 = o if bug == "no_residual_attn" else h + o
+    norm_w = W[p + ("input_layernorm.weight" if bug == "same_norm" else "post_attention_layernorm.weight")]
+    x = rms_norm_torch(h if bug == "stale_norm" else h2, norm_w, eps)
+    gate, up = x @ W[p + "mlp.gate_proj.weight"].T, x @ W[p + "mlp.up_proj.weight"].T
+    act = F.silu(up) * gate if bug == "silu_up" else (gate * up if bug == "no_silu" else F.silu(gate) * up)
+    m = act @ W[p + "mlp.down_proj.weight"].T
+    return m if bug == "no_residual_mlp" else h2 + m
+
+
+_LAYER_HINTS = {
+    "no_residual_attn": "add the attention's output to the residual: h = h + attention(...) Wo (a layer ADDS to h).",
+    "no_residual_mlp": "add the MLP's output to the residual: return h + down(...), not down(...) alone.",
+    "same_norm": "the MLP's norm has its own weight: post_attention_layernorm, not input_layernorm again.",
+    "stale_norm": "the MLP reads the norm of h AFTER the attention's residual add (the updated h), not of the layer's input.",
+    "no_rope_k": "rotate k as well as q: q . k depends on the distance between tokens only when both are rotated.",
+    "rope_v": "RoPE rotates q and k only; v is used as it is.",
+    "silu_up": "SiLU goes on the gate: down(silu(x Wg) * (x Wu)), not silu(x Wu) * (x Wg).",
+    "no_silu": "the MLP is SwiGLU: down(silu(x Wg) * (x Wu)) -- the SiLU is missing.",
+}
+
+
+def _layer_cases():
+    """(what, ModelConfig, T): irregular shapes -- grouped heads, one head for all (MQA), heads x
+    head_dim != hidden, llama3 RoPE scaling, one token."""
+    from ..config import LLAMA_3_2_1B, ModelConfig
+    return [("6 query heads on 2 KV heads, 7 tokens",
+             ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=72, num_layers=2, num_heads=6,
+                         num_kv_heads=2, name="check-gqa"), 7),
+            ("one token, 4 heads of 10 (no grouping)",
+             ModelConfig(vocab_size=37, hidden_size=40, intermediate_size=56, num_layers=1, num_heads=4,
+                         num_kv_heads=4, name="check-mha"), 1),
+            ("one KV head for 4 query heads of 16 (64 != hidden 48), llama3 RoPE scaling, 13 tokens",
+             ModelConfig(vocab_size=53, hidden_size=48, intermediate_size=40, num_layers=2, num_heads=4,
+                         num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=LLAMA_3_2_1B.rope_theta,
+                         rope_scaling=LLAMA_3_2_1B.rope_scaling, name="check-mqa"), 13)]
+
+
+def _pagedlab_logits(cfg, tensors, ids):
+    """pagedlab's LlamaModel (fp32, CPU, torch kernels) on one prompt: the logits at every position."""
+    import torch
+    from ..attention import AttentionMetadata
+    from ..kv_cache import KVCache, blocks_needed
+    from ..model import LlamaModel
+    t = len(ids)
+    model = LlamaModel(cfg, tensors, "cpu", torch.float32, max_positions=max(64, t))
+    nb = blocks_needed(t, 16)
+    cache = KVCache(cfg.num_layers, nb, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    table = torch.arange(nb, dtype=torch.int32)[None]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)     # noqa: E731
+    pos = torch.arange(t)
+    meta = AttentionMetadata(pos, t, table, i32([0, t]), i32([t]), t, table[:0], i32([]), 0)
+    return model.forward(torch.tensor(ids), pos, cache, meta)
+
+
+def check_decoder_layer(fn, seed: int = 0):
+    """`fn(h [T, hidden], W, i, pos [T], freqs [head_dim/2], cfg)` -> h after decoder layer i (W: the
+    model's tensors by their Hugging Face names). Every layer of a random-weight model run through fn,
+    then the final norm and the head, against pagedlab's LlamaModel on the same weights (fp32): grouped
+    heads, one token, one KV head for all, heads x head_dim != hidden, llama3-scaled RoPE."""
+    import torch
+    from ..kernels.rmsnorm import rms_norm_torch
+    from ..kernels.rope import rope_inv_freq
+    from ..weights import random_checkpoint
+    fn = chapter.pick(fn, "decoder_layer")
+    g = torch.Generator().manual_seed(seed)
+    cases = _layer_cases()
+    for what, cfg, t in cases:
+        W = random_checkpoint(cfg, seed=seed).tensors
+        ids = torch.randint(0, cfg.vocab_size, (t,), generator=g).tolist()
+        pos = torch.arange(t)
+        freqs = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        want = _pagedlab_logits(cfg, W, ids)
+        h = W["model.embed_tokens.weight"][torch.tensor(ids)]
+        for i in range(cfg.num_layers):
+            where = f"decoder_layer(h [{t}, {cfg.hidden_size}], W, {i}, pos, freqs, cfg)   # {what}"
+            try:
+                out = fn(h.clone(), W, i, pos.clone(), freqs.clone(), cfg)
+            except Exception as e:
+                raise chapter.raised("decoder_layer", e, where, f"\n{_layer_error_hint(e)}") from None
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(h.shape):
+                raise CheckFailed(f"{where} returned {type(out).__name__} {tuple(getattr(out, 'shape', ()))}; expected "
+                                  f"h's shape {tuple(h.shape)}.\nHint: o.reshape(T, num_heads * head_dim) @ Wo.T brings "
+                                  "the heads back to hidden_size.")
+            ref = _layer_reference(h, W, i, pos, freqs, cfg)
+            if not torch.allclose(out.float(), ref, atol=1e-4, rtol=1e-4):
+                bug = next((b for b in _LAYER_HINTS
+                            if torch.allclose(out.float(), _layer_reference(h, W, i, pos, freqs, cfg, b), atol=1e-4, rtol=1e-4)),
+                           None)
+                hint = _LAYER_HINTS.get(bug, "x = rms_norm(h, input_layernorm); q, k, v = x Wq, x Wk, x Wv (heads); h = h + "
+                                        "attention(rope(q), rope(k), v) Wo; x = rms_norm(h, post_attention_layernorm); "
+                                        "h = h + (silu(x Wg) * x Wu) Wd.")
+                raise CheckFailed(f"{where}: off by up to {(out.float() - ref).abs().nan_to_num(float('inf')).max().item():.3g}"
+                                  f" from layer {i} of pagedlab's model.\nHint: {hint}")
+            h = out.float()
+        head = W["model.embed_tokens.weight"] if cfg.tie_word_embeddings else W["lm_head.weight"]
+        logits = rms_norm_torch(h, W["model.norm.weight"], cfg.rms_norm_eps) @ head.T
+        err = ((logits.double() - want.double()).norm() / want.double().norm()).item()
+        if err > 1e-5:                    # pragma: no cover  (each layer matched the reference above)
+            raise CheckFailed(f"{what}: your layers' logits differ from pagedlab's LlamaModel by {err:.2e} (relative).")
+    chapter.passed("decoder_layer", f"{len(cases)} random-weight models, every layer yours: the logits equal pagedlab's "
+                   "LlamaModel (grouped heads, one token, one KV head, heads x head_dim != hidden, llama3 RoPE)")
+    return fn
+
+
+def _layer_error_hint(e) -> str:
+    msg = str(e)
+    if "mat1 and mat2" in msg or "size mismatch" in msg or "must match the size" in msg:
+        return ("Hint: a weight is [out, in]: multiply x @ W.T; q, k, v take cfg.num_heads / cfg.num_kv_heads heads of "
+                "cfg.head_dim each (heads x head_dim need not be hidden_size), and o is reshaped to [T, num_heads * "
+                "head_dim] before Wo.")
+    if isinstance(e, KeyError):
+        return (f"Hint: W's keys are the Hugging Face names of layer i: 'model.layers.{{i}}.self_attn.q_proj.weight', "
+                "'...mlp.gate_proj.weight', '...input_layernorm.weight' (see notebook 02's shapes).")
+    return "Hint: build the layer from your rms_norm, rope and attention, reading every size from cfg."
 
 
 # -- notebook 03: grouped-query causal attention ----------------------------------------------------
