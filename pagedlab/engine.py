@@ -160,6 +160,7 @@ class Engine:
         self.last_batch: Batch | None = None       # what the last step ran (prompt tokens or not: /metrics)
         self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
         self.num_overlapped = 0         # steps launched before the previous one was read
+        self.num_isolated_steps = 0     # steps that raised and were rerun a request at a time
 
     @property
     def timing(self) -> dict:
@@ -306,6 +307,7 @@ class Engine:
     def _isolate(self, batch: Batch) -> None:
         """A step raised. Run its requests one at a time: a request that raises alone finishes
         with finish_reason "error" and the message; the others go on as if nothing happened."""
+        self.num_isolated_steps += 1
         for part in self.scheduler.split(batch):
             req = (part.prefill + part.decode)[0]
             if req.status is not RequestStatus.RUNNING:

@@ -216,9 +216,10 @@ class ModelRunner:
         p_slots = [r.slot for r in batch.prefill]
         pad = bucket_rows(len(ids)) - len(ids) if self.pad_rows else 0
         if pad:           # padding tokens up to a bucket (kernels/row_buckets.py): every kernel of
-            ids += [0] * pad          # the step then meets one of a few row counts; they store no
-            pos += [0] * pad          # K/V (slot -1), attend to nothing and give no logits
-            slot_mapping += [-1] * pad
+            ids += [0] * pad          # the step then meets one of a few row counts; they store
+            pos += [0] * pad          # their K/V in the null block no request owns (as a graph's
+            slot_mapping += [self.kv_cache.null_block * bs] * pad   # padding rows do), attend to
+                                      # nothing and give no logits
         return [ids, pos, slot_mapping, cu, p_lens, d_lens, p_slots, d_slots, logit_rows]
 
     def _device_inputs(self, parts):
