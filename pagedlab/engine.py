@@ -31,7 +31,7 @@ from collections import deque
 
 import torch
 
-from .config import EngineConfig, max_positions
+from .config import EngineConfig, max_positions, resolve_admit_group
 from .interrupts import deferred, interruptible
 from .kv_cache import KVCache, blocks_needed
 from .request import Request, RequestStatus
@@ -133,7 +133,8 @@ class Engine:
         self.scheduler = (scheduler or Scheduler)(num_blocks, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                    cfg.max_num_batched_tokens, cfg.policy, self.stop_token_ids,
                                    record_views=cfg.trace, prefix_caching=cfg.prefix_caching, **extra)
-        self.scheduler.admit_group, self.scheduler.admit_wait = cfg.admit_group, cfg.admit_wait
+        self.scheduler.admit_group = resolve_admit_group(cfg.admit_group, self.device)
+        self.scheduler.admit_wait = cfg.admit_wait
         spec_rows = 1 + cfg.speculative_config.num_speculative_tokens if cfg.speculative_config else 1
         self.runner = ModelRunner(model, self.kv_cache, cfg.max_num_seqs, max_len, cfg.cuda_graphs, spec_rows)
         # prefix caching hashes the blocks a step fills while the device runs that step

@@ -251,3 +251,15 @@ def test_admit_group_is_checked():
     for kw in (dict(admit_group=0), dict(admit_wait=-1), dict(admit_group=2.5)):
         with pytest.raises(ValidationError, match=next(iter(kw))):
             EngineConfig(**kw)
+
+
+def test_admit_group_default_follows_the_device():
+    """admit_group=None: 8 on CUDA (a step with prompts is launch-bound there), 1 on a CPU; a
+    number given is kept on both."""
+    import torch
+    from helpers import tiny_llm
+    from pagedlab.config import resolve_admit_group
+    assert [resolve_admit_group(None, torch.device(d)) for d in ("cuda", "cpu")] == [8, 1]
+    assert [resolve_admit_group(3, torch.device(d)) for d in ("cuda", "cpu")] == [3, 3]
+    assert tiny_llm().engine.scheduler.admit_group == 1
+    assert tiny_llm(admit_group=4).engine.scheduler.admit_group == 4
