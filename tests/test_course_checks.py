@@ -675,6 +675,74 @@ def test_rope_check(sol, capsys):
     fails(checks.check_rope, _rope_with(rows=True), "the row number, not the token's position")
 
 
+def _rms_norm_with(bug=None):
+    """RMSNorm, right or with one planted bug."""
+    import torch
+
+    def rms_norm(x, w, eps):
+        dim = 0 if bug == "first_dim" else -1
+        ms = x.pow(2).sum(dim, keepdim=True) if bug == "sum" else x.pow(2).mean(dim, keepdim=True)
+        if bug == "centred":
+            x, ms = x - x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+        if bug == "eps_outside":
+            return x / (ms.sqrt() + eps) * w
+        if bug == "no_rsqrt":
+            return x / (ms + eps) * w
+        if bug == "keepdim":
+            return x * torch.rsqrt(x.pow(2).mean(-1) + eps) * w
+        out = x * torch.rsqrt(ms + (0.0 if bug == "no_eps" else eps))
+        return out if bug == "no_weight" else out * w
+    return rms_norm
+
+
+def test_rms_norm_check(sol, capsys):
+    assert checks.check_rms_norm(sol.rms_norm) is sol.rms_norm and "\u2713 rms_norm" in capsys.readouterr().out
+    assert checks.check_rms_norm(_rms_norm_with()) is not None                 # the helper itself is right
+    fails(checks.check_rms_norm, stub, "rms_norm is not written yet", "show_solution('rms_norm')")
+    for bug, words in [("sum", ["MEAN of x\u00b2"]), ("no_eps", ["add eps inside", "NaN"]),
+                       ("eps_outside", ["eps goes inside the square root"]), ("no_weight", ["learned weight w"]),
+                       ("centred", ["does not subtract the mean", "LayerNorm"]), ("no_rsqrt", ["take the square root"]),
+                       ("first_dim", ["LAST dimension"]), ("keepdim", ["keepdim=True"])]:
+        fails(checks.check_rms_norm, _rms_norm_with(bug), *words)
+
+
+def _layer_with(sol, bug=None):
+    """The course's decoder layer (its rms_norm, rope, attention), right or with one planted bug."""
+    import torch.nn.functional as F
+
+    def decoder_layer(h, W, i, pos, freqs, cfg):
+        p, t, eps = f"model.layers.{i}.", h.shape[0], cfg.rms_norm_eps
+        x = sol.rms_norm(h, W[p + "input_layernorm.weight"], eps)
+        q = (x @ W[p + "self_attn.q_proj.weight"].T).view(t, cfg.num_heads, cfg.head_dim)
+        k = (x @ W[p + "self_attn.k_proj.weight"].T).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = (x @ W[p + "self_attn.v_proj.weight"].T).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if bug == "rope_v":
+            v = sol.rope(v, pos, freqs)
+        o = sol.attention(sol.rope(q, pos, freqs), k if bug == "no_rope_k" else sol.rope(k, pos, freqs), v)
+        o = o.reshape(t, -1) @ (W[p + "self_attn.o_proj.weight"] if bug == "no_transpose" else W[p + "self_attn.o_proj.weight"].T)
+        h2 = o if bug == "no_residual_attn" else h + o
+        norm = "input_layernorm" if bug == "same_norm" else "post_attention_layernorm"
+        x = sol.rms_norm(h if bug == "stale_norm" else h2, W[p + norm + ".weight"], eps)
+        gate, up = x @ W[p + "mlp.gate_proj.weight"].T, x @ W[p + "mlp.up_proj.weight"].T
+        act = F.silu(up) * gate if bug == "silu_up" else F.silu(gate) * up
+        m = act @ W[p + "mlp.down_proj.weight"].T
+        return m if bug == "no_residual_mlp" else h2 + m
+    return decoder_layer
+
+
+def test_decoder_layer_check(sol, capsys):
+    assert checks.check_decoder_layer(sol.decoder_layer) is sol.decoder_layer
+    assert "\u2713 decoder_layer" in capsys.readouterr().out
+    assert checks.check_decoder_layer(_layer_with(sol)) is not None           # the helper itself is right
+    fails(checks.check_decoder_layer, stub, "decoder_layer is not written yet")
+    for bug, words in [("no_residual_attn", ["add the attention's output to the residual"]),
+                       ("no_residual_mlp", ["add the MLP's output"]), ("same_norm", ["post_attention_layernorm"]),
+                       ("stale_norm", ["AFTER the attention's residual add"]), ("no_rope_k", ["rotate k as well"]),
+                       ("rope_v", ["v is used as it is"]), ("silu_up", ["SiLU goes on the gate"]),
+                       ("no_transpose", ["x @ W.T"])]:
+        fails(checks.check_decoder_layer, _layer_with(sol, bug), *words)
+
+
 # -- outside Jupyter ---------------------------------------------------------------------------------
 
 def test_check_a_chapter_from_the_command_line(tmp_path):

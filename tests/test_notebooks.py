@@ -133,10 +133,11 @@ STUB_NOTEBOOKS = [p for p in NOTEBOOKS
 
 def test_hands_on_notebooks():
     """Every chapter has a piece to write against a check -- 00 the slot timeline, 01 the BPE merge
-    loop and the prompt queue's door, 02 the safetensors header parse and the bf16 bit shift, 03 RoPE and GQA attention, 04 two
-    Triton kernels, 05 the decode loop, 06 the decode kernel's loop, 07 the allocator, 08 the
-    scheduler step, 09 the engine step, 10 preemption, 11 the stream parser, 12 the prefix cache, 13
-    the sharded layers, 14 FP8, 15 the n-gram proposer and the accept rule."""
+    loop and the prompt queue's door, 02 the safetensors header parse and the bf16 bit shift, 03
+    RMSNorm, RoPE, GQA attention and one decoder layer, 04 two Triton kernels, 05 the decode loop, 06
+    the decode kernel's loop, 07 the allocator, 08 the scheduler step, 09 the engine step, 10
+    preemption, 11 the stream parser, 12 the prefix cache, 13 the sharded layers, 14 FP8, 15 the
+    n-gram proposer and the accept rule."""
     assert {p.stem[:2] for p in STUB_NOTEBOOKS} >= {f"{i:02d}" for i in range(0, 16)}
 
 

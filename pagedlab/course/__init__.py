@@ -168,8 +168,9 @@ def toy_workload(n: int, prompt_len=(6, 40), new_tokens=(4, 24), seed: int = 0, 
 # -- the hands-on pieces: checks (checks.py) and solutions ---------------------------------
 from .chapter import CheckFailed, pieces_path, solutions_on  # noqa: E402,F401
 from .checks import (EngineState, Seq, check_admit, check_allocator, check_attention, check_bf16_to_fp32,  # noqa: E402,F401
-                     check_bpe_piece, check_decode_one, check_engine_step, check_flash_kernel, check_kv_generate,
-                     check_make_room, check_parse_header, check_read_tensor, check_rmsnorm_kernel, check_rope,
+                     check_bpe_piece, check_decode_one, check_decoder_layer, check_engine_step, check_flash_kernel,
+                     check_kv_generate, check_make_room, check_parse_header, check_read_tensor, check_rms_norm,
+                     check_rmsnorm_kernel, check_rope,
                      check_schedule_step, check_timeline, check_token_slot, reference_step, run_toy, show_solution,
                      solution)
 

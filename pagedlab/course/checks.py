@@ -1348,7 +1348,13 @@ def check_rms_norm(fn, seed: int = 0):
             x[1] = 0.0
         w = 1.0 + 0.5 * torch.randn(shape[-1], generator=g)
         where = f"rms_norm(x {list(shape)}, w [{shape[-1]}], eps={eps:g})   # {what}"
-        got = chapter.call(fn, "rms_norm", x.clone(), w.clone(), eps)
+        try:
+            got = fn(x.clone(), w.clone(), eps)
+        except Exception as e:
+            then = ("\nHint: keep the reduced dimension -- x.pow(2).mean(-1, keepdim=True) is [T, 1], so it divides "
+                    "each row; without keepdim it is [T] and lines up with the features instead."
+                    if "must match the size" in str(e) else "")
+            raise chapter.raised("rms_norm", e, where, then) from None
         want = rms_norm_torch(x, w, eps)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(x.shape):
             raise CheckFailed(f"{where} returned {type(got).__name__} {tuple(getattr(got, 'shape', ()))}; expected a "
@@ -1387,7 +1393,8 @@ def _layer_reference(h, W, i, pos, freqs, cfg, bug=None):
         rk = k
     if bug == "rope_v":
         v = rope_torch(v, v, rows, cos_sin)[0]
-    o = _gqa_reference(rq, rk, v).reshape(t, -1) @ W[p + "self_attn.o_proj.weight"].T
+    wo = W[p + "self_attn.o_proj.weight"]
+    o = _gqa_reference(rq, rk, v).reshape(t, -1) @ (wo if bug == "no_transpose" else wo.T)
     h2 = o if bug == "no_residual_attn" else h + o
     norm_w = W[p + ("input_layernorm.weight" if bug == "same_norm" else "post_attention_layernorm.weight")]
     x = rms_norm_torch(h if bug == "stale_norm" else h2, norm_w, eps)
@@ -1406,6 +1413,7 @@ _LAYER_HINTS = {
     "rope_v": "RoPE rotates q and k only; v is used as it is.",
     "silu_up": "SiLU goes on the gate: down(silu(x Wg) * (x Wu)), not silu(x Wu) * (x Wg).",
     "no_silu": "the MLP is SwiGLU: down(silu(x Wg) * (x Wu)) -- the SiLU is missing.",
+    "no_transpose": "a weight is stored [out, in]: multiply x @ W.T (o_proj is square here, so o @ Wo runs -- and is wrong).",
 }
 
 
