@@ -4,7 +4,7 @@ e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, check
 eng = e.engine
 early = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
 late, step, res = [], 0, {}
-rest = list(zip(prompts[4:], params[4:])) if GPU else list(zip(prompts[4:7], params[4:7]))   # a CPU: 3 late ones
+rest = list(zip(prompts[4:], params[4:])) if GPU else list(zip(prompts[4:6], params[4:6]))   # a CPU: 2 late ones
 while eng.has_work() or rest:
     if rest and step % 5 == 0:
         late.append(eng.add_request(*rest.pop(0)))
@@ -16,7 +16,7 @@ print(f"TTFT: queued at start {avg(early):.0f} ms, late arrivals {avg(late):.0f}
 # A late request waits only for a free slot (continuous batching), not for a whole batch.
 
 # 2. Seeded sampling is independent of the batch.
-sp = SamplingParams(max_new_tokens=8, temperature=0.8, seed=1234, ignore_eos=True)
+sp = SamplingParams(max_new_tokens=8 if GPU else 5, temperature=0.8, seed=1234, ignore_eos=True)
 alone = LLM(MODEL, max_num_seqs=1, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate([prompts[0]], sp)[0].token_ids
 batched = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate(
     [prompts[1], prompts[0], prompts[2]], [params[1], sp, params[2]])[1].token_ids

@@ -62,8 +62,9 @@ assert thrown["make_room"] > thrown["make_room_oldest"]     # what the notebook'
 # end, then the next oldest does, so every request finishes.
 
 # 3. With the notebook's model: the same preemptions (lengths decide them), and recompute is still
-#    invisible in the tokens. (On a CPU the first 6 requests make the point in seconds.)
-few = slice(None) if torch.cuda.is_available() else slice(0, 6)
+#    invisible in the tokens. (On a CPU the first 4 requests make the point in seconds: one of them
+#    is preempted.)
+few = slice(None) if torch.cuda.is_available() else slice(0, 4)
 runs = {}
 for name in (SCHED_MODEL, MODEL):
     e = LLM(name, dtype="float32", max_num_seqs=SLOTS, num_blocks=POOL_BLOCKS, trace=True, show_progress=False)
@@ -71,5 +72,5 @@ for name in (SCHED_MODEL, MODEL):
     runs[name] = [s.preempted for s in e.trace.steps]
 roomy_real = LLM(MODEL, dtype="float32", max_num_seqs=SLOTS, show_progress=False, checkpoint=e.checkpoint)
 assert [o.token_ids for o in got] == [o.token_ids for o in roomy_real.generate(prompts[few], params[few])]
-assert runs[MODEL] == runs[SCHED_MODEL]
+assert runs[MODEL] == runs[SCHED_MODEL] and any(runs[MODEL])     # the same preemptions, at least one
 print(f"{MODEL}: the same {sum(map(len, runs[MODEL]))} preemptions as {SCHED_MODEL}, and the same tokens as a roomy pool")
