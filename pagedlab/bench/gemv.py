@@ -113,6 +113,154 @@ def tune(ops) -> dict:
     return tuned
 
 
+# --------------------------------------------------------------------------------------------
+# one stream: where a batch-1 step's time goes, and launch configs tried in the engine itself
+# --------------------------------------------------------------------------------------------
+def _c(r, ks, bk, w, st, acc=0):
+    return dict(BLOCK_R=r, K_SPLIT=ks, BLOCK_K=bk, num_warps=w, num_stages=st, ACC2D=acc)
+
+
+# Candidates per kernel at one token (bf16; _fp8_candidate widens them for FP8 weights): the
+# current default first, then no split-K (few big row blocks: no reduction round trips), fewer
+# rows per program (more programs in flight), and ACC2D (one cross-thread sum per program).
+ONE_TOKEN_CANDIDATES = {
+    "qkv": [_c(16, 256, 256, 4, 1), _c(8, 256, 256, 4, 1), _c(4, 2048, 1024, 4, 1),
+            _c(4, 2048, 2048, 8, 1), _c(2, 2048, 2048, 4, 1), _c(8, 2048, 512, 4, 2, 1),
+            _c(4, 2048, 512, 4, 2, 1), _c(16, 512, 512, 8, 1)],
+    "residual": [_c(8, 2048, 512, 4, 3), _c(8, 2048, 512, 4, 3, 1), _c(4, 2048, 512, 4, 3, 1),
+                 _c(4, 2048, 1024, 8, 2, 1), _c(2, 2048, 2048, 8, 1), _c(4, 4096, 1024, 4, 2, 1),
+                 _c(8, 1024, 1024, 8, 1), _c(2, 8192, 1024, 4, 2, 1)],
+    "swiglu": [_c(16, 2048, 512, 4, 2), _c(16, 2048, 512, 4, 2, 1), _c(8, 2048, 512, 4, 2, 1),
+               _c(8, 2048, 1024, 8, 2, 1), _c(4, 2048, 2048, 8, 1), _c(8, 2048, 2048, 8, 1),
+               _c(4, 2048, 1024, 4, 2, 1), _c(16, 1024, 1024, 8, 1)],
+    "lm_head": [_c(16, 2048, 512, 4, 1), _c(16, 2048, 512, 4, 1, 1), _c(8, 2048, 1024, 8, 1),
+                _c(32, 2048, 256, 4, 1), _c(8, 2048, 512, 4, 2, 1), _c(4, 2048, 2048, 8, 1)],
+}
+
+
+def _fp8_candidate(c):
+    bk = min(2 * c["BLOCK_K"], 4096)
+    return dict(c, BLOCK_K=bk, K_SPLIT=max(c["K_SPLIT"], bk), num_warps=8 if bk >= 1024 else c["num_warps"])
+
+
+def one_token_candidates(key: str) -> list:
+    """The configs `--one-stream` tries for GEMV_CONFIG[key] (key may end in _fp8): the current
+    default first."""
+    fp8 = key.endswith("_fp8")
+    base = ONE_TOKEN_CANDIDATES[key[:-4] if fp8 else key]
+    cands = [_fp8_candidate(c) for c in base[1:]] if fp8 else base[1:]
+    default = dict(gemv.GEMV_CONFIG[key])
+    cands = [default, dict(default, ACC2D=1)] + cands
+    out = []
+    for c in cands:
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def sweep_one_token(dev, fp8: bool) -> dict:
+    """Every candidate config of every op at one token: {op: [(us, config), ...]}, and per
+    config key the best (ops sharing a key -- O and down -- scored by their summed time)."""
+    ops = make_ops(1, dev, fp8=fp8)
+    times = {name: [] for name in ops}
+    best = {}
+    for key in dict.fromkeys(op["key"] for op in ops.values()):
+        group = {n: op for n, op in ops.items() if op["key"] == key}
+        scored = []
+        for cfg in one_token_candidates(key):
+            tot = 0.0
+            for n, op in group.items():
+                try:
+                    us = graph_time_us([op["call"](w, True, cfg) for w in op["ws"]])
+                except Exception as e:          # out of registers / shared memory: skip
+                    print(f"  skip {n} {cfg}: {type(e).__name__}: {str(e)[:80]}", flush=True)
+                    us = float("inf")
+                times[n].append(dict(us=us, tb_s=op["bytes"] / us / 1e6, config=cfg))
+                tot += us
+            scored.append((tot, cfg))
+            print(f"  {key:13s} {tot:8.2f} us  {cfg}", flush=True)
+        best[key] = min(scored, key=lambda t: t[0])
+        print(f"best {key}: {best[key][1]}  {best[key][0]:.2f} us (default {scored[0][0]:.2f})", flush=True)
+    for n in times:
+        sep = min(times[n], key=lambda r: r["us"])
+        print(f"  best for {n} alone: {sep['us']:.2f} us ({sep['tb_s']:.2f} TB/s) {sep['config']}")
+    return dict(times=times, best={k: dict(us=v[0], config=v[1]) for k, v in best.items()})
+
+
+_CKPT = None
+
+
+def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True) -> dict:
+    """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
+    (GPU only, context 256) and, profile=True, its kernels' times (torch profiler)."""
+    import gc
+    from pagedlab.bench.common import event_time_us, kernel_times_us, random_prompt
+    from pagedlab.bench.engine import finish, one_stream, step_until_decoding
+    from pagedlab.llm import LLM
+    from pagedlab.sampling import SamplingParams
+    opts = {}
+    if gemv_config is not None:
+        opts["gemv_config"] = gemv_config
+    if pdl is not None:
+        opts["pdl"] = pdl
+    global _CKPT
+    if _CKPT is None:
+        from pagedlab.weights import load_checkpoint
+        _CKPT = load_checkpoint("random:llama-3.2-1b", show_progress=False)
+    llm = LLM(checkpoint=_CKPT, device="cuda", dtype="bfloat16", max_num_seqs=8,
+              max_model_len=2048, show_progress=False, quantization=None if weights == "bf16" else weights,
+              kernel_options=opts or None)
+    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl)
+    res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
+    res["token_ids"] = res["one_stream"].pop("token_ids")[0]
+    eng = llm.engine
+    eng.add_request(random_prompt(256, seed=256), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    step_until_decoding(eng)
+    eng.step()
+    torch.cuda.synchronize()
+    graphs = eng.runner.graphs
+    for _ in range(20):
+        graphs.replay(1)
+    res["graph_us"] = event_time_us(lambda: graphs.replay(1), calls_per_round=200, rounds=5)
+    if profile:
+        res["kernels_us"] = kernel_times_us(lambda: graphs.replay(1), 20)
+        res["kernels_total_us"] = sum(res["kernels_us"].values())
+    finish(eng)
+    del llm, eng, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"engine {weights} {'tuned' if gemv_config else 'default'} pdl={pdl}: one stream "
+          f"{res['one_stream']['tokens_per_s']:.1f} tok/s, ITL p50 {res['one_stream']['itl_ms']['50']:.3f} ms, "
+          f"graph {res['graph_us']:.1f} us", flush=True)
+    return res
+
+
+def one_stream_probe(out, argv=None) -> dict:
+    """`--one-stream`: the sweep at one token (bf16 and FP8), then the engine with the default
+    configs and with the sweep's best, same process. Writes one_stream_probe.json after each part."""
+    dev = torch.device("cuda")
+    res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
+                         copy_tb_s=round(copy_bandwidth_tbs(dev), 3)))
+    print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    path = out / "one_stream_probe.json"
+    res["engine"] = [engine_one_stream("bf16", pdl="off")]         # true per-kernel times
+    write_json(path, res)
+    tuned = {}
+    for fp8 in (False, True):
+        sw = sweep_one_token(dev, fp8)
+        res["sweep_fp8" if fp8 else "sweep_bf16"] = sw
+        tuned.update({k: v["config"] for k, v in sw["best"].items()})
+        write_json(path, res)
+    res["tuned"] = tuned
+    for weights in ("bf16", "fp8"):
+        runs = [engine_one_stream(weights, cfg, profile=cfg is None) for cfg in (None, tuned)]
+        a, b = runs[0].pop("token_ids"), runs[1].pop("token_ids")
+        runs[1]["same_tokens_as_default"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+        res["engine"] += runs
+        write_json(path, res)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,10 +268,16 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true", help="sweep launch configs at M=1 first")
     ap.add_argument("--fp8", action="store_true", help="FP8 weights (the *_fp8 launch configs)")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="tokens per call (M)")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="one token: sweep candidate configs per kernel (bf16, FP8), then one stream "
+                         "through the engine with the defaults and with the best (one_stream_probe.json)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
+    if args.one_stream:
+        one_stream_probe(out, argv)
+        return
     copy_bw = copy_bandwidth_tbs(dev)
     meta = dict(metadata("python -m pagedlab.bench.gemv", argv), copy_tb_s=round(copy_bw, 3))
     print(f"{device_line(meta)}  copy {copy_bw:.2f} TB/s")

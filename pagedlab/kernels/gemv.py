@@ -67,18 +67,18 @@ _FUSED_ROWS = [False]
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
 H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2),
-    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3),
-    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1),
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tuned tiles are twice as wide in K (8 warps hold the
     # fp32 products). Tuned on the H200 at one token, 2026-12-01 (bench gemv --fp8 --tune:
     # docs/gemv_fp8_bench.json): 31.9 us per layer's linear work against 47.5 in bf16.
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=1024, BLOCK_K=1024, num_warps=8, num_stages=2),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1),
-    "residual_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2),
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=1024, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
+    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
+    "residual_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
@@ -161,10 +161,14 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 @triton.jit
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 ACC2D: tl.constexpr = 0):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
     acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
-    PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x."""
+    PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x.
+    ACC2D (one token only): keep the products in an [R, BLOCK_K] fp32 accumulator and sum over K
+    once after the loop, instead of a cross-thread sum (shuffles, a barrier between warps) per
+    loop step -- the loop then only loads and multiplies-and-adds."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -174,6 +178,29 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
     pdl_start(PDL)
+    if ACC2D:
+        tile_a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        tile_b = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + offs_k
+            kmask = cols < k_hi
+            x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                sq += x * x
+                x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+            wmask = rmask[:, None] & kmask[None, :]
+            wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+            tile_a += wa.to(tl.float32) * x[None, :]
+            if PAIRED:
+                wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+                tile_b += wb.to(tl.float32) * x[None, :]
+        main_loop_done(PDL)
+        acc_a += tl.sum(tile_a, axis=1)[None, :]
+        if PAIRED:
+            acc_b += tl.sum(tile_b, axis=1)[None, :]
+        sum_sq += tl.sum(sq, axis=0)
+        return acc_a, acc_b, sum_sq
     for k0 in range(k_lo, k_hi, BLOCK_K):
         cols = k0 + offs_k
         kmask = cols < k_hi
@@ -233,14 +260,15 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
 def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K, k_split, eps,
               ws_ptr, cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, HAS_SCALE: tl.constexpr,
               SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
     """What every kernel below starts with: this program's partial dot products (_stream_rows),
     the split-K sum (_gather_splits), the FP8 weights' per-row scales (HAS_SCALE: w holds fp8
     codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
     Returns (last, acc_a, acc_b): only the program with `last` set holds the full sums and goes
     on to its kernel's epilogue."""
     acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
-                                        k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+                                        k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
+                                        ACC2D)
     if SPLITS > 1:
         last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
                                                     SPLITS, BLOCK_M, BLOCK_R)
@@ -263,13 +291,13 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, HAS_SCALE: tl.constexpr,
                    SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IDX64: tl.constexpr, PDL: tl.constexpr):
+                   IDX64: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
     last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, w_rows, w_rows, rmask, M, K, k_split,
                              eps, ws_ptr, cnt_ptr, HAS_NORM, False, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                             BLOCK_K, PDL)
+                             BLOCK_K, PDL, ACC2D)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
@@ -303,12 +331,13 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl
 @triton.jit
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                   ACC2D: tl.constexpr = 0):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
     rmask = rows < INTER
     last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + INTER, rmask, M, K,
                                k_split, eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M,
-                               BLOCK_R, BLOCK_K, PDL)
+                               BLOCK_R, BLOCK_K, PDL, ACC2D)
     if last:
         out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
@@ -321,7 +350,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
                            slot_ptr, ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     HALF: tl.constexpr = D // 2
@@ -332,7 +361,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
     rows = head * D + i
     last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + HALF, imask, M, K, k_split,
                            eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                           BLOCK_K, PDL)
+                           BLOCK_K, PDL, ACC2D)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -394,6 +423,7 @@ def _plan(x, k, row_blocks, cfg, pdl):
         ws, cnt = _WORKSPACE[key]
     flag = pdl_flag(x.device, pdl)
     kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
+                  ACC2D=int(bool(cfg.get("ACC2D", 0)) and block_m == 1),
                   num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], x.device),
                   **launch_options(flag))
     return (row_blocks, splits), kwargs, ws, cnt, k_split
