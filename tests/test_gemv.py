@@ -298,3 +298,57 @@ def test_pdl_modes_give_identical_results():
     for mode, res in results.items():
         for a, b in zip(res, results["off"]):
             assert torch.equal(a, b), f"PDL mode {mode!r} changed the results"
+
+
+# ACC2D (one token): the products summed over K once per program, not once per loop step.
+# Split K and not, with a loop of several steps (BLOCK_K 32 < K_SPLIT) and a ragged last step.
+ACC2D = {"split": dict(SPLIT, K_SPLIT=48, BLOCK_K=16, ACC2D=1),
+         "whole_k": dict(SPLIT, BLOCK_R=4, K_SPLIT=4096, BLOCK_K=32, ACC2D=1)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", ACC2D)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_acc2d_one_token(config, dtype, fp8):
+    """Every fused kernel at one token with ACC2D on, plain and FP8 weights, against the fp64
+    composition of the references on the same (dequantized) weights; the greedy token exactly
+    torch's argmax of the kernel's logits."""
+    from pagedlab.quantization import quantize_weight
+    c = ACC2D[config]
+    gen = torch.Generator().manual_seed(41 + len(config) + fp8)
+    hidden, inter, hq, hkv, d, vocab = SHAPES[-1]
+
+    def weight(n, k):
+        w = rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
+        if not fp8:
+            return w, f64(w)
+        q = quantize_weight(w)
+        return q, q.q.double() * q.scale.double()[:, None]
+    x = rand(1, hidden, dtype=dtype, gen=gen, scale=2.0)
+    xi = rand(1, inter, dtype=dtype, gen=gen)
+    r = rand(1, hidden, dtype=dtype, gen=gen)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    kw = dict(config=c, fp8_config=c, fused=True)
+    tol = max(TOL[dtype], 2e-2) if fp8 else TOL[dtype]
+    for xin in (x, xi):
+        w, wr = weight(hidden, xin.shape[1])
+        out = gemv.linear_residual_triton(xin, w, r, **kw)
+        err = rel_err(out, gemv.linear_residual_torch(f64(xin), wr, f64(r)))
+        assert err < tol, err
+    w, wr = weight(2 * inter, hidden)
+    err = rel_err(gemv.norm_swiglu_triton(x, g, 1e-5, w, **kw), gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, wr))
+    assert err < tol, err
+    w, wr = weight(vocab, hidden)
+    logits, tokens = gemv.norm_lm_head_triton(x, g, 1e-5, w, greedy=True, **kw)
+    assert rel_err(logits, gemv.norm_lm_head_torch(f64(x), f64(g), 1e-5, wr)) < tol
+    assert torch.equal(tokens, logits.argmax(-1))
+    w, wr = weight((hq + 2 * hkv) * d, hidden)
+    cos_sin = rope_cos_sin(d, 500000.0, 64, device=DEV)
+    pos, slots = torch.tensor([37], device=DEV), torch.tensor([9], device=DEV)
+    k_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    v_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    kc, vc, kr, vr = k_cache.clone(), v_cache.clone(), f64(k_cache), f64(v_cache)
+    q = gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, pos, cos_sin, kc, vc, slots, hq, **kw)
+    qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, wr, pos, cos_sin.double(), kr, vr, slots, hq)
+    for a, b in ((q, qr), (kc, kr), (vc, vr)):
+        assert rel_err(a, b) < tol

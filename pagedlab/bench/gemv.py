@@ -235,13 +235,25 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True) ->
     return res
 
 
-def one_stream_probe(out, argv=None) -> dict:
+def one_stream_probe(out, argv=None, before=None) -> dict:
     """`--one-stream`: the sweep at one token (bf16 and FP8), then the engine with the default
-    configs and with the sweep's best, same process. Writes one_stream_probe.json after each part."""
+    configs and with the sweep's best, same process. Writes one_stream_probe.json after each part.
+    before (a gemv_config mapping, `--before FILE`): no sweep; the engine with `before` against
+    the defaults (one_stream_confirm.json)."""
     dev = torch.device("cuda")
     res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
                          copy_tb_s=round(copy_bandwidth_tbs(dev), 3)))
     print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    if before is not None:
+        path = out / "one_stream_confirm.json"
+        res.update(before=before, after=to_plain(gemv.GEMV_CONFIG), engine=[])
+        for weights in ("bf16", "fp8"):
+            runs = [engine_one_stream(weights, cfg, profile=False) for cfg in (before, None)]
+            a, b = runs[0].pop("token_ids"), runs[1].pop("token_ids")
+            runs[1]["same_tokens_as_before"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+            res["engine"] += runs
+            write_json(path, res)
+        return res
     path = out / "one_stream_probe.json"
     res["engine"] = [engine_one_stream("bf16", pdl="off")]         # true per-kernel times
     write_json(path, res)
@@ -271,12 +283,20 @@ def main(argv=None):
     ap.add_argument("--one-stream", action="store_true",
                     help="one token: sweep candidate configs per kernel (bf16, FP8), then one stream "
                          "through the engine with the defaults and with the best (one_stream_probe.json)")
+    ap.add_argument("--before", default=None,
+                    help="with --one-stream: a JSON gemv_config; no sweep, the engine's one stream with it "
+                         "against the defaults, same run (one_stream_confirm.json)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
     if args.one_stream:
-        one_stream_probe(out, argv)
+        before = None
+        if args.before:
+            import json
+            with open(args.before) as f:
+                before = json.load(f)
+        one_stream_probe(out, argv, before)
         return
     copy_bw = copy_bandwidth_tbs(dev)
     meta = dict(metadata("python -m pagedlab.bench.gemv", argv), copy_tb_s=round(copy_bw, 3))

@@ -200,24 +200,24 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
         if PAIRED:
             acc_b += tl.sum(tile_b, axis=1)[None, :]
         sum_sq += tl.sum(sq, axis=0)
-        return acc_a, acc_b, sum_sq
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        cols = k0 + offs_k
-        kmask = cols < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
-                    mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        if HAS_NORM:
-            sum_sq += tl.sum(x * x, axis=1)
-            x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M >= DOT_ROWS:                 # tensor cores: x in the model's dtype
-            x = x.to(x_ptr.dtype.element_ty)
-        wmask = rmask[:, None] & kmask[None, :]
-        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-        acc_a = _partial_dot(x, wa, acc_a, BLOCK_M)
-        if PAIRED:
-            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
-            acc_b = _partial_dot(x, wb, acc_b, BLOCK_M)
-    main_loop_done(PDL)
+    else:
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            cols = k0 + offs_k
+            kmask = cols < k_hi
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            if HAS_NORM:
+                sum_sq += tl.sum(x * x, axis=1)
+                x = x * tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M >= DOT_ROWS:                 # tensor cores: x in the model's dtype
+                x = x.to(x_ptr.dtype.element_ty)
+            wmask = rmask[:, None] & kmask[None, :]
+            wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+            acc_a = _partial_dot(x, wa, acc_a, BLOCK_M)
+            if PAIRED:
+                wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0)
+                acc_b = _partial_dot(x, wb, acc_b, BLOCK_M)
+        main_loop_done(PDL)
     return acc_a, acc_b, sum_sq
 
 
