@@ -55,7 +55,7 @@ def make_ops(m: int, device, dtype=torch.bfloat16, seed=0, fp8=False):
         "qkv (norm+RoPE+KV store)": ((HQ + 2 * HKV) * D, HIDDEN, "qkv"),
         "o_proj (+residual)": (HIDDEN, HQ * D, "residual"),
         "gate_up (norm+SwiGLU)": (2 * INTER, HIDDEN, "swiglu"),
-        "down_proj (+residual)": (HIDDEN, INTER, "residual"),
+        "down_proj (+residual)": (HIDDEN, INTER, "down"),
         "lm_head (norm, fp32 out)": (VOCAB, HIDDEN, "lm_head"),
     }
     ops = {}
@@ -76,7 +76,8 @@ def make_ops(m: int, device, dtype=torch.bfloat16, seed=0, fp8=False):
             if key == "lm_head":
                 return lambda: gemv.norm_lm_head_triton(x_h, g, 1e-5, w, fused=fused, **c)
             xin = o_in if w.shape[1] == HQ * D else x_i
-            return lambda: gemv.linear_residual_triton(xin, w, x_h, fused=fused, **c)
+            return lambda: gemv.linear_residual_triton(xin, w, x_h, fused=fused, **c, down_config=cfg,
+                                                       down_fp8_config=cfg)
         ops[name] = dict(bytes=nbytes, key=key + ("_fp8" if fp8 else ""), ws=ws, call=call)
     return ops
 
@@ -148,7 +149,8 @@ def one_token_candidates(key: str) -> list:
     """The configs `--one-stream` tries for GEMV_CONFIG[key] (key may end in _fp8): the current
     default first."""
     fp8 = key.endswith("_fp8")
-    base = ONE_TOKEN_CANDIDATES[key[:-4] if fp8 else key]
+    name = key[:-4] if fp8 else key
+    base = ONE_TOKEN_CANDIDATES["residual" if name == "down" else name]
     cands = [_fp8_candidate(c) for c in base[1:]] if fp8 else base[1:]
     default = dict(gemv.GEMV_CONFIG[key])
     cands = [default, dict(default, ACC2D=1)] + cands

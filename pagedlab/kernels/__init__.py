@@ -69,4 +69,7 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
         for fn, key in CONFIG_KEYS.items():
             fns[fn] = functools.partial(fns[fn], config=options["gemv_config"][key], pdl=pdl,
                                         fp8_config=options["gemv_config"][key + "_fp8"])
+        fns["linear_residual"] = functools.partial(fns["linear_residual"],   # K > N: its own tiles
+                                                   down_config=options["gemv_config"]["down"],
+                                                   down_fp8_config=options["gemv_config"]["down_fp8"])
     return SimpleNamespace(backend=backend, options=options, **fns)

@@ -70,6 +70,8 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (
     "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0),
     "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0),
     "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
+    # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
     "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tuned tiles are twice as wide in K (8 warps hold the
@@ -78,6 +80,7 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (
     "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=1024, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
     "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
     "residual_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
+    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
     "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
@@ -498,11 +501,18 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
 
 
 def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None,
-                           fp8_config=GEMV_CONFIG["residual_fp8"]):
-    """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
+                           fp8_config=GEMV_CONFIG["residual_fp8"], down_config=None, down_fp8_config=None):
+    """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton).
+    down_config / down_fp8_config: used instead of config / fp8_config for a matrix wider than
+    tall (K > N: the MLP's down projection), where given (select_kernels gives GEMV_CONFIG's
+    "down" entries)."""
     if not _use_fused(x, fused):
         return linear(x, w, residual)
-    config = fp8_config if isinstance(w, FP8Weight) else config
+    fp8 = isinstance(w, FP8Weight)
+    if w.shape[1] > w.shape[0]:
+        config = down_config or config
+        fp8_config = down_fp8_config or fp8_config
+    config = fp8_config if fp8 else config
     return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl)
 
 
