@@ -193,7 +193,7 @@ def sweep_one_token(dev, fp8: bool) -> dict:
 _CKPT = None
 
 
-def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True) -> dict:
+def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True) -> dict:
     """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
     (GPU only, context 256) and, profile=True, its kernels' times (torch profiler)."""
     import gc
@@ -214,8 +214,9 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True) ->
               max_model_len=2048, show_progress=False, quantization=None if weights == "bf16" else weights,
               kernel_options=opts or None)
     res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl)
-    res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
-    res["token_ids"] = res["one_stream"].pop("token_ids")[0]
+    if stream:
+        res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
+        res["token_ids"] = res["one_stream"].pop("token_ids")[0]
     eng = llm.engine
     eng.add_request(random_prompt(256, seed=256), SamplingParams(max_new_tokens=8, ignore_eos=True))
     step_until_decoding(eng)
@@ -232,9 +233,14 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True) ->
     del llm, eng, graphs
     gc.collect()
     torch.cuda.empty_cache()
-    print(f"engine {weights} {'tuned' if gemv_config else 'default'} pdl={pdl}: one stream "
-          f"{res['one_stream']['tokens_per_s']:.1f} tok/s, ITL p50 {res['one_stream']['itl_ms']['50']:.3f} ms, "
-          f"graph {res['graph_us']:.1f} us", flush=True)
+    line = f"engine {weights} {'given config' if gemv_config else 'default'} pdl={pdl}: graph {res['graph_us']:.1f} us"
+    if stream:
+        line += (f", one stream {res['one_stream']['tokens_per_s']:.1f} tok/s, TTFT "
+                 f"{res['one_stream']['ttft_ms']['50']:.2f} ms, ITL p50 {res['one_stream']['itl_ms']['50']:.3f} ms")
+    if profile:
+        line += f", kernels {res['kernels_total_us']:.1f} us: " + ", ".join(
+            f"{k[:28]} {v:.1f}" for k, v in list(res["kernels_us"].items())[:8])
+    print(line, flush=True)
     return res
 
 
@@ -258,7 +264,7 @@ def one_stream_probe(out, argv=None, before=None) -> dict:
             write_json(path, res)
         return res
     path = out / "one_stream_probe.json"
-    res["engine"] = [engine_one_stream("bf16", pdl="off")]         # true per-kernel times
+    res["engine"] = [engine_one_stream("bf16", pdl="off", stream=False)]   # true per-kernel times
     write_json(path, res)
     tuned = {}
     for fp8 in (False, True):
