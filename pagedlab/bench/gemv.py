@@ -235,13 +235,43 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
     torch.cuda.empty_cache()
     line = f"engine {weights} {'given config' if gemv_config else 'default'} pdl={pdl}: graph {res['graph_us']:.1f} us"
     if stream:
-        line += (f", one stream {res['one_stream']['tokens_per_s']:.1f} tok/s, TTFT "
-                 f"{res['one_stream']['ttft_ms']['50']:.2f} ms, ITL p50 {res['one_stream']['itl_ms']['50']:.3f} ms")
+        itl = res["one_stream"]["itl_ms"]
+        line += (f", one stream {res['one_stream']['tokens_per_s']:.1f} tok/s, ITL p50 "
+                 f"{itl.get(50, itl.get('50', float('nan'))):.3f} ms")
     if profile:
         line += f", kernels {res['kernels_total_us']:.1f} us: " + ", ".join(
             f"{k[:28]} {v:.1f}" for k, v in list(res["kernels_us"].items())[:8])
     print(line, flush=True)
     return res
+
+
+def attention_one_token(dev, context: int = 256, layers: int = 16) -> list:
+    """Decode attention at batch 1 (Llama-3.2-1B heads, pages of 16, bf16) over `layers` distinct
+    caches, per launch config: the share of a one-stream step that is not weights."""
+    from pagedlab.kernels import decode_attention as da
+    from pagedlab.kernels.launch import merge_config
+    gen = torch.Generator(device=dev).manual_seed(1)
+    nb = (context + 15) // 16
+    caches = [(torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16(),
+               torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16()) for _ in range(layers)]
+    q = torch.randn(1, HQ, D, generator=gen, device=dev).bfloat16()
+    table = torch.randperm(nb, generator=gen, device=dev).int()[None]
+    lens = torch.tensor([context], dtype=torch.int32, device=dev)
+    trials = [("auto", None, {}), ("gqa", None, {"gqa": {"BLOCK_N": 64}}), ("gqa", None, {"gqa": {"BLOCK_N": 256}}),
+              ("gqa", None, {"gqa": {"BLOCK_N": 128, "num_stages": 1}}),
+              ("split_kv", 2, {"split_kv": {"BLOCK_N": 128}}), ("split_kv", 4, {"split_kv": {"BLOCK_N": 64}})]
+    rows = []
+    for variant, splits, change in trials:
+        cfg = merge_config(da.DECODE_CONFIG, change)
+        try:
+            us = graph_time_us([lambda kc=kc, vc=vc: da.decode_attention_triton(
+                q, kc, vc, table, lens, D ** -0.5, context, variant, splits, config=cfg) for kc, vc in caches])
+        except Exception as e:
+            print(f"  skip attention {variant} {change}: {type(e).__name__}", flush=True)
+            continue
+        rows.append(dict(variant=variant, num_splits=splits, change=change, context=context, us=us))
+        print(f"  attention {variant} splits={splits} {change}: {us:.2f} us per layer", flush=True)
+    return rows
 
 
 def one_stream_probe(out, argv=None, before=None) -> dict:
@@ -262,6 +292,8 @@ def one_stream_probe(out, argv=None, before=None) -> dict:
             runs[1]["same_tokens_as_before"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
             res["engine"] += runs
             write_json(path, res)
+        res["attention"] = attention_one_token(dev)
+        write_json(path, res)
         return res
     path = out / "one_stream_probe.json"
     res["engine"] = [engine_one_stream("bf16", pdl="off", stream=False)]   # true per-kernel times

@@ -66,22 +66,23 @@ _FUSED_ROWS = [False]
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
-H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token, 2026-11-29 (docs/engine.md)
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0),
-    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
+H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token (bench gemv --one-stream)
+    # 2026-12-02: the sweep of bench/gemv.py ONE_TOKEN_CANDIDATES (docs/one_stream_probe.json);
+    # the entries it did not change keep their 2026-11-29 / 12-01 tuning (docs/engine.md)
+    "qkv": dict(BLOCK_R=4, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=1),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=1),
+    "residual": dict(BLOCK_R=2, K_SPLIT=8192, BLOCK_K=1024, num_warps=4, num_stages=2, ACC2D=1),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
+    "down": dict(BLOCK_R=2, K_SPLIT=8192, BLOCK_K=1024, num_warps=4, num_stages=2, ACC2D=1),
     "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
-    # `fp8_config`: a byte per weight, so the tuned tiles are twice as wide in K (8 warps hold the
-    # fp32 products). Tuned on the H200 at one token, 2026-12-01 (bench gemv --fp8 --tune:
-    # docs/gemv_fp8_bench.json): 31.9 us per layer's linear work against 47.5 in bf16.
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=1024, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
+    # `fp8_config`: a byte per weight, so the tuned tiles are wider in K (8 warps hold the fp32
+    # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json).
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1),
     "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
-    "residual_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
+    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0),
     "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
