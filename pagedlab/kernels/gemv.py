@@ -66,18 +66,23 @@ _FUSED_ROWS = [False]
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
-H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token (bench gemv --one-stream)
-    # 2026-12-02: the sweep of bench/gemv.py ONE_TOKEN_CANDIDATES (docs/one_stream_probe.json);
-    # the entries it did not change keep their 2026-11-29 / 12-01 tuning (docs/engine.md)
-    "qkv": dict(BLOCK_R=4, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=1),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=1),
-    "residual": dict(BLOCK_R=2, K_SPLIT=8192, BLOCK_K=1024, num_warps=4, num_stages=2, ACC2D=1),
+H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
+    # bf16: tuned 2026-11-29 (docs/engine.md). The one-token sweep of 2026-12-02 (bench gemv
+    # --one-stream, docs/one_stream_probe.json) found faster tiles for each matrix ALONE, but in
+    # the engine's graph they made the step slower (921.2 us against 896.7, same run,
+    # docs/one_stream_confirm.json), so bf16 keeps these.
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=2, K_SPLIT=8192, BLOCK_K=1024, num_warps=4, num_stages=2, ACC2D=1),
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
     "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
-    # `fp8_config`: a byte per weight, so the tuned tiles are wider in K (8 warps hold the fp32
-    # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json).
+    # `fp8_config`: a byte per weight, so the tiles are wider in K (8 warps hold the fp32
+    # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json);
+    # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
+    # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
+    # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
     "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1),
     "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
     "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0),
