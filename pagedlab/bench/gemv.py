@@ -12,6 +12,13 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
                                                   # JSON, usable via PAGEDLAB_GEMV_CONFIG=<file>
     python -m pagedlab bench gemv --fp8 [--tune]  # the same with FP8 weights (the *_fp8 configs;
                                                   # unfused = torch._scaled_mm on fp8 activations)
+    python -m pagedlab bench gemv --one-stream    # one token: candidate configs per kernel (bf16 and
+                                                  # FP8) alone, then the engine's one stream with the
+                                                  # defaults and with the best (one_stream_probe.json)
+    python -m pagedlab bench gemv --one-stream --before CONFIG.json
+                                                  # the engine's one stream (and graph replay) with
+                                                  # CONFIG against the defaults, same run; decode
+                                                  # attention at batch 1 (one_stream_confirm.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
