@@ -169,7 +169,7 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert math.isclose(r["served_over_offline"], r["output_throughput"] / off["output_throughput"])
     passes = off["pass_throughputs"]                   # three passes; the median of the last two
     assert len(passes) == 3 and passes[0] == off["first_pass"]["output_throughput"]
-    assert off["output_throughput"] == min(passes[1:])
+    assert math.isclose(off["output_throughput"], sum(passes[1:]) / 2)   # two later passes: their mean
     for x in (r, off, off["first_pass"]):
         assert 1 <= x["prompt_steps"] <= 6 and x["decode_steps"] >= 1, x
     assert "served/offline" in out and "decode-only" in out
