@@ -18,8 +18,9 @@ print(f"TTFT: queued at start {avg(early):.0f} ms, late arrivals {avg(late):.0f}
 # 2. Seeded sampling is independent of the batch.
 sp = SamplingParams(max_new_tokens=8 if GPU else 5, temperature=0.8, seed=1234, ignore_eos=True)
 alone = LLM(MODEL, max_num_seqs=1, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate([prompts[0]], sp)[0].token_ids
+others = params[1:3] if GPU else [SamplingParams(max_new_tokens=5, ignore_eos=True)] * 2    # a CPU: short ones
 batched = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt).generate(
-    [prompts[1], prompts[0], prompts[2]], [params[1], sp, params[2]])[1].token_ids
+    [prompts[1], prompts[0], prompts[2]], [others[0], sp, others[1]])[1].token_ids
 print(alone, batched)
 # The noise is a hash of (seed, position, token id): it does not depend on the batch, the slot or
 # the step. (In bf16 on a GPU, batching can still change the logits' last bits, and a near-tie may
@@ -28,9 +29,9 @@ if e.engine.dtype == torch.float32:
     assert alone == batched
 
 # 3. The greedy LM head: logits and the argmax from one fused launch (+ a tiny merge).
-#    (In the CPU's Triton interpreter every program is Python: the first 2048 rows of the head.)
+#    (In the CPU's Triton interpreter every program is Python: the first 1024 rows of the head.)
 h = torch.randn(1, model.config.hidden_size, device=model.device).to(model.dtype)
-head = model.lm_head if GPU else model.lm_head[:2048].contiguous()
+head = model.lm_head if GPU else model.lm_head[:1024].contiguous()
 logits, token = gemv.norm_lm_head_triton(h, model.norm, eps, head, fused=True, greedy=True)
 ref = gemv.norm_lm_head_torch(h, model.norm, eps, head)
 assert token.item() == logits.argmax(-1).item()                  # exactly the argmax of its logits
