@@ -786,6 +786,18 @@ def test_check_a_chapter_from_the_command_line(tmp_path):
     # Triton kernels on a CPU: the command turns the interpreter on when the environment did not
     r = run("check", "4", env={k: v for k, v in env.items() if k != "TRITON_INTERPRET"})
     assert r.returncode == 0 and "\u2713 flash_attn_kernel" in r.stdout, r.stdout + r.stderr
+    mine.write_text("import json, struct\nimport numpy as np, torch\n\n\n"        # 02: no read_tensor (the notebook's)
+                    "def parse_header(buf):\n"
+                    "    (n,) = struct.unpack('<Q', buf[:8])                  # no length check\n"
+                    "    h = json.loads(buf[8:8 + n])\n"
+                    "    return {k: (v['dtype'], v['shape'], 8 + n + v['data_offsets'][0], 8 + n + v['data_offsets'][1])\n"
+                    "            for k, v in h.items() if k != '__metadata__'}\n\n\n"
+                    "def bf16_to_fp32(raw):\n"
+                    "    return torch.from_numpy((np.frombuffer(raw, '<u2').astype(np.uint32) << 16).view(np.float32).copy())\n")
+    r = run("check", "02", str(mine))
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "\u2717 parse_header" in r.stdout and "len(buf) >= 8" in r.stdout and "\u2713 bf16_to_fp32" in r.stdout
+    assert "- read_tensor: not in" in r.stdout, r.stdout
     mine.write_text("def quantize_fp8(w):\n    raise NotImplementedError\n")         # 14 checks two pieces
     r = run("check", "14", str(mine))
     assert r.returncode == 1 and "defines no dequantize_fp8" in r.stdout, r.stdout + r.stderr
