@@ -55,3 +55,19 @@ def test_wrong_parsers_fail_with_a_hint(fn, words):
     with pytest.raises(CheckFailed) as e:
         course_serving.check_sse_events(fn)
     assert "case:" in str(e.value) and words in str(e.value)
+
+
+def test_admit_group_table_is_read_from_the_committed_measurement():
+    """Notebook 11's admit-group table: every row is a burst of docs/serve_s11_admit{1,8}.json (the
+    files the course ships), both groups are there (the notebook compares their first bursts)."""
+    import json
+    from pathlib import Path
+
+    from pagedlab.course import serving as serving_course
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    rows = serving_course.admit_group_table()
+    assert {r["group"] for r in rows} == {1, 8} and {(r["group"], r["burst"]) for r in rows} >= {(1, 1), (8, 1)}
+    for r in rows:
+        res = json.loads((docs / f"serve_s11_admit{r['group']}.json").read_text())["results"][r["burst"] - 1]
+        assert r["tokens_per_s"] == res["output_throughput"] and r["prompt_steps"] == res["prompt_steps"]
+        assert r["ttft_p99_ms"] == res["ttft_ms"]["p99"] and r["decode_step_ms"] == res["decode_step_ms"]

@@ -4,7 +4,7 @@ from pagedlab import LLM, SamplingParams
 # 1. Fewer slots -> more steps; more slots than prompts does not help once every prompt has one.
 #    Steps are bounded below by the longest request (prefill + its decode steps), not by n / slots.
 for slots in (1, 4):
-    other = LLM(MODEL, max_num_seqs=slots, trace=True, show_progress=False, checkpoint=llm.checkpoint)
+    other = LLM(MODEL, max_num_seqs=slots, trace=True, admit_group=1, show_progress=False, checkpoint=llm.checkpoint)
     other.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW_TOKENS), chat=True)
     print(f"{slots} slot(s): {len(other.trace)} steps, utilization {other.trace.utilization():.0%}")
 

@@ -34,7 +34,8 @@ print(f"queue empty from step {empty_at}; utilization after that: {tail_util:.0%
 few = slice(None) if torch.cuda.is_available() else slice(0, 8)
 runs = {}
 for name in (SCHED_MODEL, MODEL):
-    e = LLM(name, max_num_seqs=SLOTS, num_blocks=NUM_BLOCKS, block_size=BS, trace=True, show_progress=False)
+    e = LLM(name, max_num_seqs=SLOTS, num_blocks=NUM_BLOCKS, block_size=BS, trace=True, admit_group=1,
+            show_progress=False)
     e.generate(prompts[few], params[few])
     runs[name] = [s.slot_request for s in e.trace.steps]
 assert runs[MODEL] == runs[SCHED_MODEL]

@@ -1,6 +1,7 @@
 # Solutions to notebook 09. Run from the notebook (uses MODEL, ckpt, prompts, params).
-# 1. Late arrivals.
-e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, show_progress=False, checkpoint=ckpt)
+# 1. Late arrivals. (admit_group=1: a late request takes a free slot at once; on a GPU the engine's
+#    default would hold it for a group of prompts -- notebook 11.)
+e = LLM(MODEL, max_num_seqs=4, num_blocks=NUM_BLOCKS, admit_group=1, show_progress=False, checkpoint=ckpt)
 eng = e.engine
 early = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
 late, step, res = [], 0, {}

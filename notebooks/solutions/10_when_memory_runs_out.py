@@ -20,7 +20,7 @@ assert preempts(lo) and not preempts(hi)
 while hi - lo > 1:
     mid = (lo + hi) // 2
     lo, hi = (mid, hi) if preempts(mid) else (lo, mid)
-t = LLM(SCHED_MODEL, dtype="float32", max_num_seqs=SLOTS, num_blocks=hi, trace=True,
+t = LLM(SCHED_MODEL, dtype="float32", max_num_seqs=SLOTS, num_blocks=hi, trace=True, admit_group=1,
         show_progress=False, checkpoint=tight.checkpoint)
 t.generate(prompts, params)
 assert not any(s.preempted for s in t.trace.steps)
@@ -67,10 +67,12 @@ assert thrown["make_room"] > thrown["make_room_oldest"]     # what the notebook'
 few = slice(None) if torch.cuda.is_available() else slice(0, 4)
 runs = {}
 for name in (SCHED_MODEL, MODEL):
-    e = LLM(name, dtype="float32", max_num_seqs=SLOTS, num_blocks=POOL_BLOCKS, trace=True, show_progress=False)
+    e = LLM(name, dtype="float32", max_num_seqs=SLOTS, num_blocks=POOL_BLOCKS, trace=True, admit_group=1,
+            show_progress=False)
     got = e.generate(prompts[few], params[few])
     runs[name] = [s.preempted for s in e.trace.steps]
-roomy_real = LLM(MODEL, dtype="float32", max_num_seqs=SLOTS, show_progress=False, checkpoint=e.checkpoint)
+roomy_real = LLM(MODEL, dtype="float32", max_num_seqs=SLOTS, admit_group=1, show_progress=False,
+                 checkpoint=e.checkpoint)
 assert [o.token_ids for o in got] == [o.token_ids for o in roomy_real.generate(prompts[few], params[few])]
 assert runs[MODEL] == runs[SCHED_MODEL] and any(runs[MODEL])     # the same preemptions, at least one
 print(f"{MODEL}: the same {sum(map(len, runs[MODEL]))} preemptions as {SCHED_MODEL}, and the same tokens as a roomy pool")

@@ -295,6 +295,24 @@ def draw_core_split():
     return fig
 
 
+def admit_group_table() -> list[dict]:
+    """The committed H200 measurement of admit groups (docs/serving.md, session 11: the same
+    512-request burst, twice, through a server admitting prompts one at a time and in groups of 8;
+    docs/serve_s11_admit*.json): one row per group and burst."""
+    from .data import load_json
+    rows = []
+    for group in (1, 8):
+        d = load_json(f"serve_s11_admit{group}.json")
+        if d is None:
+            continue
+        for burst, r in enumerate(d["results"], 1):
+            rows.append(dict(group=group, burst=burst, tokens_per_s=r["output_throughput"],
+                             ttft_p50_ms=r["ttft_ms"]["p50"], ttft_p99_ms=r["ttft_ms"]["p99"],
+                             prompt_steps=r.get("prompt_steps"), prompt_step_ms=r.get("prompt_step_ms"),
+                             decode_steps=r.get("decode_steps"), decode_step_ms=r.get("decode_step_ms")))
+    return rows
+
+
 def served_table() -> list[dict]:
     """The committed H200 measurement of docs/serving.md: the same 512-request workload through
     four servers and offline (docs/serve_core_*.json): one row per server and rate."""
