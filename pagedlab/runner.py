@@ -100,11 +100,13 @@ class ModelRunner:
         self.pad_rows = self.device.type == "cuda"
         self.graphs = None
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
-            from .cuda_graph import DecodeGraphs
+            from .cuda_graph import DEFAULT_SIZES, DecodeGraphs
+            # speculative: a graph for every row count of one sequence's verify (1 + 1..k rows)
+            sizes = sorted(set(DEFAULT_SIZES) | set(range(1, rows_per_seq + 1)))
             with self._verify_kernels(rows_per_seq):
                 self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
                                            min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH),
-                                           capture=cuda_graphs is True)
+                                           sizes=sizes, capture=cuda_graphs is True)
         self.last: Launch | None = None      # the latest launch, if it completed
         # called with each batch once its device work is queued, before anything waits for it:
         # host work that needs no result of the step runs there while the device computes
@@ -112,16 +114,17 @@ class ModelRunner:
         # requests may bring guesses (spec/): only then are decode rows looked at for them
         self.speculative = rows_per_seq > 1
 
-    # True: a speculative engine captures its graphs of 2..16 rows with the fused decode kernels on
-    # tensor cores (kernels/gemv.py fused_rows) instead of cuBLAS plus the separate norm / RoPE /
-    # store / SwiGLU kernels. Off: measured slower on the H200 (docs/speculative.md; the LM head's
-    # fused dot at 16 padded rows is 3x cuBLAS's time). `bench spec --fused-rows` measures it.
-    SPEC_FUSED_ROWS = False
+    # A speculative engine captures its graphs of a few rows with the fused decode kernels in this
+    # kernels/gemv.py fused_rows mode: "fma" (2..8 rows, each row against the weight tile as
+    # loaded), "fma_layers" (the same, cuBLAS LM head), "dot" (tensor cores, rows padded to 16;
+    # measured slower on the H200), or None: cuBLAS plus the separate norm / RoPE / store / SwiGLU
+    # kernels. `bench spec --fused-rows` measures them (docs/speculative.md).
+    SPEC_FUSED_ROWS = None
 
     def _verify_kernels(self, rows_per_seq: int):
         if rows_per_seq > 1 and self.SPEC_FUSED_ROWS and self.device.type == "cuda":
             from .kernels.gemv import fused_rows
-            return fused_rows()
+            return fused_rows(self.SPEC_FUSED_ROWS)
         return contextlib.nullcontext()
 
     def run(self, batch) -> list[int]:

@@ -11,11 +11,20 @@ request as usual), after a warm-up pass of each. Reported per run: output tokens
 engine steps, tokens per step, guesses proposed / kept, and whether the tokens equal the
 non-speculative run's. JSON + a markdown table in --out.
 
+--repeats N: each run N times, off and on alternating (one-stream ratios are noisy: a run is a
+few hundred tokens), medians reported. --fused-rows MODES: the speculative runs once per mode of
+the few-row decode graphs (kernels/gemv.py fused_rows; each mode's graphs captured in the same
+engine, swapped between runs). --breakdown: one more instrumented run of each one-stream case,
+its steps split into prefill / plain decode / verify: host time of each phase (schedule with the
+proposer inside, launch, read, accept), GPU time (CUDA events around the launch) and the GPU's
+idle gap before each step.
+
 --small: the tiny random model on CPU with few tokens (what the tests run).
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -88,9 +97,12 @@ def run_once(llm, prompts, params, real: bool, batched: bool):
     return outs, time.perf_counter() - t0
 
 
-def measure(llm, speculator, prompts, params, real, batched) -> dict:
+def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dict:
+    """One run; graphs: the decode graphs to replay (a fused_rows mode's, see variant_graphs)."""
     set_speculation(llm, speculator)
     eng = llm.engine
+    if graphs is not None:
+        eng.runner.graphs = graphs
     eng.reset_timing()
     overlapped0 = eng.num_overlapped
     outs, wall = run_once(llm, prompts, params, real, batched)
@@ -109,16 +121,157 @@ def measure(llm, speculator, prompts, params, real, batched) -> dict:
                 token_ids=[o.token_ids for o in outs])
 
 
+def variant_graphs(llm, modes) -> dict:
+    """mode -> decode graphs of the engine's sizes captured in that kernels/gemv.py fused_rows mode
+    ("off": the composed cuBLAS path), the engine's own graphs for its own mode. Captured on the
+    idle engine; a run swaps them in (runner.graphs) -- every set shares the engine's KV cache and
+    block table, only one replays at a time."""
+    from pagedlab.cuda_graph import DecodeGraphs
+    from pagedlab.kernels.gemv import fused_rows
+    runner = llm.engine.runner
+    own = runner.graphs
+    out = {}
+    for mode in modes:
+        if own is None or not own.capture or mode == (runner.SPEC_FUSED_ROWS or "off"):
+            out[mode] = own
+            continue
+        with fused_rows(None if mode == "off" else mode):
+            out[mode] = DecodeGraphs(runner.model, runner.kv_cache, runner.block_table.table, own.max_seq_len,
+                                     own.sizes[-1], sizes=own.sizes, capture=True)
+    return out
+
+
+class StepProbe:
+    """--breakdown: wraps one engine's scheduler / runner / proposer methods (instance attributes,
+    removed by close()) and records per launched step: its kind (prefill, plain decode, verify),
+    rows, the host seconds of schedule (the proposer inside it), propose, launch, read and accept,
+    and CUDA events around the launch (GPU time of the step; with the previous step's end event,
+    how long the GPU sat idle before it)."""
+
+    def __init__(self, engine):
+        self.engine, self.steps, self._patched = engine, [], []
+        self._by_batch, self._by_launch = {}, {}
+        self.cuda = engine.device.type == "cuda"
+        self._sched_s = self._propose_s = 0.0
+        sched, runner = engine.scheduler, engine.runner
+        self._wrap(sched, "schedule", self._schedule)
+        self._wrap(runner, "launch", self._launch)
+        self._wrap(runner, "read", self._read)
+        self._wrap(sched, "accept", self._accept)
+        if engine.speculator is not None:
+            self._wrap(engine.speculator.proposer, "propose", self._propose)
+
+    def _wrap(self, obj, name, fn):
+        orig = getattr(obj, name)
+        self._patched.append((obj, name))
+        setattr(obj, name, lambda *a, **kw: fn(orig, *a, **kw))
+
+    def close(self) -> None:
+        for obj, name in self._patched:
+            delattr(obj, name)          # the class's method again
+        self._patched = []
+
+    def _schedule(self, orig, *a, **kw):
+        self._propose_s = 0.0
+        t = time.perf_counter()
+        out = orig(*a, **kw)
+        self._sched_s = time.perf_counter() - t
+        return out
+
+    def _propose(self, orig, *a, **kw):
+        t = time.perf_counter()
+        out = orig(*a, **kw)
+        self._propose_s += time.perf_counter() - t
+        return out
+
+    def _launch(self, orig, batch, *a, **kw):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
+        if ev:
+            ev[0].record()
+        rows = sum(r.num_scheduled for r in batch.prefill) + sum(1 + len(r.spec_token_ids) for r in batch.decode)
+        t = time.perf_counter()
+        launch = orig(batch, *a, **kw)
+        dt = time.perf_counter() - t
+        if ev:
+            ev[1].record()
+        kind = "prefill" if batch.prefill else ("verify" if batch.guessed else "plain")
+        rec = dict(kind=kind, rows=rows, t=t, schedule_s=self._sched_s, propose_s=self._propose_s,
+                   launch_s=dt, read_s=0.0, accept_s=0.0, events=ev)
+        self.steps.append(rec)
+        self._by_batch[id(batch)], self._by_launch[id(launch)] = rec, rec
+        return launch
+
+    def _read(self, orig, launch):
+        t = time.perf_counter()
+        out = orig(launch)
+        rec = self._by_launch.get(id(launch))
+        if rec is not None:
+            rec["read_s"] += time.perf_counter() - t
+        return out
+
+    def _accept(self, orig, batch, *a, **kw):
+        t = time.perf_counter()
+        out = orig(batch, *a, **kw)
+        rec = self._by_batch.get(id(batch))
+        if rec is not None:
+            rec["accept_s"] += time.perf_counter() - t
+        return out
+
+    def summary(self) -> dict:
+        """Per kind: steps, rows, and per phase the median and the total in ms (GPU: the step's
+        time on the device; gap: the GPU idle before it, waiting for the host)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        prev = None
+        for rec in self.steps:
+            ev = rec.pop("events")
+            if ev:
+                rec["gpu_s"] = ev[0].elapsed_time(ev[1]) / 1e3
+                rec["gap_s"] = prev[1].elapsed_time(ev[0]) / 1e3 if prev else 0.0
+                prev = ev
+        out = {}
+        phases = ("schedule_s", "propose_s", "launch_s", "read_s", "accept_s", "gpu_s", "gap_s")
+        for kind in ("prefill", "plain", "verify"):
+            recs = [r for r in self.steps if r["kind"] == kind]
+            if not recs:
+                continue
+            k = dict(steps=len(recs), rows=round(statistics.mean(r["rows"] for r in recs), 2))
+            for ph in phases:
+                vals = [r[ph] for r in recs if ph in r]
+                if vals:
+                    k[ph[:-2] + "_ms"] = dict(median=round(statistics.median(vals) * 1e3, 4),
+                                              total=round(sum(vals) * 1e3, 3))
+            out[kind] = k
+        return out
+
+
+def breakdown(llm, speculator, prompts, params, real, graphs=None) -> dict:
+    """One instrumented one-stream run (StepProbe): per step kind, where the time goes."""
+    set_speculation(llm, speculator)
+    if graphs is not None:
+        llm.engine.runner.graphs = graphs
+    probe = StepProbe(llm.engine)
+    try:
+        outs, wall = run_once(llm, prompts, params, real, batched=False)
+    finally:
+        probe.close()
+    s = probe.summary()
+    in_steps = sum(v.get("gpu_ms", {}).get("total", 0) + v.get("gap_ms", {}).get("total", 0) for v in s.values())
+    return dict(wall_ms=round(wall * 1e3, 3), tokens=sum(len(o.token_ids) for o in outs),
+                outside_steps_ms=round(wall * 1e3 - in_steps, 3) if probe.cuda else None, kinds=s)
+
+
 # (hidden, intermediate, Hq, Hkv, D, vocab) of the two models bench spec runs
 KERNEL_SHAPES = {"smollm2": (576, 1536, 9, 3, 64, 49152), "llama-3.2-1b": (2048, 8192, 32, 8, 64, 128256)}
 
 
-def kernel_times(rows=(1, 8, 16), reps: int = 20) -> dict:
+def kernel_times(rows=(1, 5, 8), modes=("fma",), reps: int = 20, models=None) -> dict:
     """One layer's linear work (norm+QKV+RoPE+store, O + residual, norm+SwiGLU, down + residual) and
     the LM head at each row count, in microseconds, bf16 random weights of both models' shapes:
-    "cublas" (the composed path: cuBLAS + the small Triton kernels, what a verify step runs) and
-    "fused" (kernels/gemv.py: one row, or inside fused_rows() rows padded to 16 on tensor cores).
-    Each timed as a CUDA graph of `reps` launches (no launch overhead), median of do_bench."""
+    "cublas" (the composed path: cuBLAS + the small Triton kernels), "fused" at one row, and at
+    more rows each kernels/gemv.py fused_rows mode in `modes` ("fma": each row against the weight
+    tile; "dot": rows padded to 16 on tensor cores). Each timed as a CUDA graph of `reps` launches
+    (no launch overhead), median of do_bench."""
     from triton.testing import do_bench
 
     from pagedlab.kernels import gemv
@@ -139,6 +292,8 @@ def kernel_times(rows=(1, 8, 16), reps: int = 20) -> dict:
 
     dev, dt, out = "cuda", torch.bfloat16, {}
     for name, (h, inter, hq, hkv, d, vocab) in KERNEL_SHAPES.items():
+        if models is not None and name not in models:
+            continue
         rnd = lambda *shape, scale=1.0: torch.randn(*shape, device=dev, dtype=dt) * scale   # noqa: E731
         g = rnd(h)
         wqkv, wo = rnd((hq + 2 * hkv) * d, h, scale=h ** -0.5), rnd(h, hq * d, scale=h ** -0.5)
@@ -148,14 +303,16 @@ def kernel_times(rows=(1, 8, 16), reps: int = 20) -> dict:
         for t in rows:
             x, a, m = rnd(t, h), rnd(t, hq * d), rnd(t, inter)
             pos = slots = torch.arange(t, device=dev)
-            for path, fused in (("cublas", False), ("fused", None)):
+            paths = [("cublas", False, None)] + ([("fused", None, None)] if t == 1 else
+                                                 [(mode, None, mode) for mode in modes])
+            for path, fused, mode in paths:
                 fns = {"qkv": lambda: gemv.norm_qkv_rope_store_triton(x, g, 1e-5, wqkv, pos, cs, kc, vc, slots, hq,
                                                                       fused=fused),
                        "o": lambda: gemv.linear_residual_triton(a, wo, x, fused=fused),
                        "swiglu": lambda: gemv.norm_swiglu_triton(x, g, 1e-5, wgu, fused=fused),
                        "down": lambda: gemv.linear_residual_triton(m, wd, x, fused=fused),
                        "lm_head": lambda: gemv.norm_lm_head_triton(x, g, 1e-5, wl, fused=fused, greedy=True)}
-                with gemv.fused_rows(fused is None):
+                with gemv.fused_rows(mode):
                     r = {k: timed(f) for k, f in fns.items()}
                 r["layer"] = round(r["qkv"] + r["o"] + r["swiglu"] + r["down"], 2)
                 out[f"{name}/{t} rows/{path}"] = r
@@ -164,16 +321,22 @@ def kernel_times(rows=(1, 8, 16), reps: int = 20) -> dict:
 
 
 def table(results: dict) -> list[str]:
-    lines = ["| workload | mode | spec | tokens/s | speed-up | steps | tokens/step/request | kept / proposed "
-             "| same tokens |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | mode | spec | tokens/s (median) | speed-up | runs (tok/s) | steps | tokens/step/request "
+             "| kept / proposed | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results["runs"].items():
-        for m in ("off", "on"):
-            x = r[m]
-            lines.append(f"| {r['workload']} | {r['mode']} | {m} | {x['tokens_per_s']:,.0f} | "
-                         f"{(x['tokens_per_s'] / r['off']['tokens_per_s']):.2f}x | {x['steps']} | "
-                         f"{x['tokens_per_request_step']:.2f} | {x['accepted']} / {x['proposed']} | "
-                         f"{r['same_tokens']:.0%} |")
+        for v, x in r["variants"].items():
+            m = x["median_run"]
+            lines.append(f"| {r['workload']} | {r['mode']} | {v} | {x['median']:,.0f} | {x['speedup']:.2f}x | "
+                         f"{', '.join(f'{t:,.0f}' for t in x['tokens_per_s'])} | {m['steps']} | "
+                         f"{m['tokens_per_request_step']:.2f} | {m['accepted']} / {m['proposed']} | "
+                         f"{x['same_tokens']:.0%} |")
     return lines
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle of an even count)."""
+    ranked = sorted(runs, key=lambda x: x["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def main(argv=None) -> None:
@@ -191,34 +354,42 @@ def run(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 256; --small 24)")
     p.add_argument("--copies", type=int, default=4, help="batched: each prompt this many times (default 4)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of copy, free")
+    p.add_argument("--modes", default="one_stream,batched", help="comma-separated subset of one_stream, batched")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of each case, off and on alternating (medians reported; default 1)")
     p.add_argument("--no-adaptive", action="store_true", help="fixed k (no back-off)")
     p.add_argument("--fuse-up-to", type=int, default=None, metavar="N",
                    help="use the fused GEMV kernels for steps of up to N rows (kernels/gemv.py FUSE_UP_TO, "
                         "at most 16): verify steps of one stream have k + 1 rows")
-    p.add_argument("--fused-rows", action="store_true",
-                   help="capture the speculative engine's graphs of 2-16 rows with the fused decode kernels on "
-                        "tensor cores (kernels/gemv.py fused_rows) instead of cuBLAS + separate small kernels "
-                        "(ModelRunner.SPEC_FUSED_ROWS; measured slower, off by default)")
+    p.add_argument("--fused-rows", default=None, metavar="MODES",
+                   help="comma-separated kernels/gemv.py fused_rows modes of the few-row decode graphs the "
+                        "speculative runs replay, each a run of its own: off (cuBLAS + separate small "
+                        "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="one more instrumented one-stream run per case: host / GPU / idle time per step kind")
     p.add_argument("--replay", action="store_true",
                    help="also time a graph replay per captured size up to 16 rows (padding rows: the "
-                        "linear layers' cost of a verify step of that many rows)")
+                        "linear layers' cost of a verify step of that many rows), for each --fused-rows mode")
     p.add_argument("--kernels", action="store_true",
-                   help="also time one layer's linear work and the LM head at 1, 8, 16 rows, cuBLAS vs fused "
+                   help="also time one layer's linear work and the LM head at 1, 5, 8 rows, cuBLAS vs fused "
                         "(both models' shapes, random bf16 weights)")
     p.add_argument("--out", default="figures", help="where spec_bench.json/.md go")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not args.small and not cuda:
         raise SystemExit("bench spec needs a CUDA GPU (or --small, which runs on CPU)")
+    from pagedlab.kernels import gemv
     from pagedlab.llm import LLM
+    from pagedlab.runner import ModelRunner
     if args.fuse_up_to is not None:
-        from pagedlab.kernels import gemv
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
-    if args.fused_rows:
-        from pagedlab.runner import ModelRunner
-        ModelRunner.SPEC_FUSED_ROWS = True
+    own_mode = ModelRunner.SPEC_FUSED_ROWS or "off"
+    modes = [m for m in (args.fused_rows or own_mode).split(",") if m]
+    for m in modes:
+        if m != "off" and m not in gemv.FUSED_ROWS_MODES:
+            raise SystemExit(f"--fused-rows: {m!r} is none of off, {', '.join(gemv.FUSED_ROWS_MODES)}")
     from pagedlab.spec.config import SpeculativeConfig
-    from pagedlab.spec.speculator import Speculator
+    from pagedlab.spec.speculator import Speculator  # noqa: F401  (the engine builds it)
 
     model = args.model or ("random:tiny" if args.small else "smollm2")
     real = not model.startswith("random:")
@@ -230,54 +401,87 @@ def run(argv=None) -> dict:
     llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
               speculative_config=sc)
     spec = llm.engine.speculator
+    graphs = variant_graphs(llm, set(modes) | {own_mode})
+    base = graphs[own_mode]                              # what the runs without speculation replay
+    variants = {"off": (None, base)} | {f"on ({m})" if len(modes) > 1 else "on": (spec, graphs[m]) for m in modes}
     tok = llm.get_tokenizer() if real or model == "random:llama-3.2-1b" else None
     vocab = min(llm.engine.model.config.vocab_size, RANDOM_TOKEN_LIMIT)
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
-                   fuse_up_to=__import__("pagedlab.kernels.gemv", fromlist=["x"]).FUSE_UP_TO,
-                   fused_rows=args.fused_rows, overlap=llm.engine.overlap, runs={})
+                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=modes, repeats=args.repeats,
+                   overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
         results["metadata"] = metadata("python -m pagedlab bench spec", argv)
     except Exception as e:          # (no triton on this machine): the run is still worth keeping
         results["metadata"] = {"error": f"{type(e).__name__}: {e}"}
+    out = out_dir(args.out)
+    stem = "spec_bench" + ("" if real or args.small else "_random")
     params = SamplingParams(max_tokens=max_tokens)
     for name in [w for w in args.workloads.split(",") if w]:
         prompts = prompts_for(name, tok, real, vocab)
-        for mode in ("one_stream", "batched"):
+        for mode in [m for m in args.modes.split(",") if m]:
             batched = mode == "batched"
             ps = prompts * args.copies if batched else prompts
-            for s in (None, spec):                       # warm-up: compile, capture, fill caches
+            for s, g in variants.values():                # warm-up: compile, capture, fill caches
                 set_speculation(llm, s)
+                llm.engine.runner.graphs = g
                 run_once(llm, ps[:len(prompts)], SamplingParams(max_tokens=min(16, max_tokens)), real, batched)
-            r = dict(workload=name, mode=mode, requests=len(ps))
-            for m, s in (("off", None), ("on", spec)):
-                r[m] = measure(llm, s, ps, params, real, batched)
-            a, b = r["off"].pop("token_ids"), r["on"].pop("token_ids")
-            r["same_tokens"] = sum(x == y for x, y in zip(a, b)) / len(a)
-            r["first_difference"] = [next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-                                     for x, y in zip(a, b) if x != y]
-            r["speedup"] = r["on"]["tokens_per_s"] / r["off"]["tokens_per_s"]
+            runs = {v: [] for v in variants}
+            order = list(variants)
+            for i in range(max(1, args.repeats)):        # alternating: off, on..., then on..., off
+                for v in (order if i % 2 == 0 else order[::-1]):
+                    runs[v].append(measure(llm, *variants[v][:1], ps, params, real, batched, graphs=variants[v][1]))
+            ref = runs["off"][0]["token_ids"]
+            r = dict(workload=name, mode=mode, requests=len(ps), variants={})
+            off_median = statistics.median(x["tokens_per_s"] for x in runs["off"])
+            for v, xs in runs.items():
+                same = [sum(a == b for a, b in zip(ref, x["token_ids"])) / len(ref) for x in xs]
+                firsts = sorted({next((i for i, (u, w) in enumerate(zip(a, b)) if u != w), min(len(a), len(b)))
+                                 for x in xs for a, b in zip(ref, x["token_ids"]) if a != b})
+                for x in xs:
+                    x.pop("token_ids")
+                med = statistics.median(x["tokens_per_s"] for x in xs)
+                ratios = [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(xs, runs["off"])]
+                r["variants"][v] = dict(tokens_per_s=[round(x["tokens_per_s"], 1) for x in xs], median=med,
+                                        speedup=med / off_median, speedup_per_repeat=[round(q, 3) for q in ratios],
+                                        same_tokens=min(same), first_difference=firsts, median_run=median_run(xs),
+                                        runs=xs)
+                print(f"{name} {mode} {v}: median {med:,.0f} tok/s ({med / off_median:.2f}x; runs "
+                      f"{', '.join(f'{x:,.0f}' for x in r['variants'][v]['tokens_per_s'])}), kept "
+                      f"{r['variants'][v]['median_run']['accepted']}/{r['variants'][v]['median_run']['proposed']}, "
+                      f"same tokens {min(same):.0%}", flush=True)
+            first_on = next(v for v in variants if v != "off")
+            r["off"], r["on"] = r["variants"]["off"]["median_run"], r["variants"][first_on]["median_run"]
+            r["speedup"] = r["variants"][first_on]["speedup"]
+            r["same_tokens"] = r["variants"][first_on]["same_tokens"]
             results["runs"][f"{name}/{mode}"] = r
-            print(f"{name} {mode}: off {r['off']['tokens_per_s']:,.0f} tok/s, on {r['on']['tokens_per_s']:,.0f} "
-                  f"tok/s ({r['speedup']:.2f}x), kept {r['on']['accepted']}/{r['on']['proposed']}, "
-                  f"same tokens {r['same_tokens']:.0%}", flush=True)
+            if args.breakdown and not batched:
+                for v, (s, g) in variants.items():
+                    b = breakdown(llm, s, ps, params, real, graphs=g)
+                    results.setdefault("breakdown", {})[f"{name}/{v}"] = b
+                    print(f"breakdown {name} {v}: {b}", flush=True)
+            write_json(out / f"{stem}.json", results)      # (a run cut short keeps what it has)
     set_speculation(llm, spec)
-    graphs = llm.engine.runner.graphs
-    if args.replay and graphs is not None and graphs.capture:
+    llm.engine.runner.graphs = base
+    if args.replay and cuda:
         from triton.testing import do_bench
-        graphs.fill_padding()
-        results["replay_ms"] = {b: do_bench(lambda b=b: graphs.replay(b), warmup=50, rep=200)
-                                for b in graphs.sizes if b <= 16}
-        print("graph replay ms by rows:", {b: round(v, 4) for b, v in results["replay_ms"].items()}, flush=True)
+        results["replay_ms"] = {}
+        for m in modes:
+            g = graphs[m]
+            if g is None or not g.capture:
+                continue
+            g.fill_padding()
+            results["replay_ms"][m] = {b: do_bench(lambda b=b: g.replay(b), warmup=25, rep=100)
+                                       for b in g.sizes if b <= 16}
+            print(f"graph replay ms by rows ({m}):", {b: round(v, 4) for b, v in results["replay_ms"][m].items()},
+                  flush=True)
     if args.kernels and cuda:
-        results["kernels_us"] = kernel_times()
-    out = out_dir(args.out)
-    stem = "spec_bench" + ("" if real or args.small else "_random")
+        results["kernels_us"] = kernel_times(modes=[m for m in modes if m != "off"] or ("fma",))
     write_json(out / f"{stem}.json", results)
     lines = [f"model: {model} ({dtype}) on {results['device']}; k={args.k}, prompt_lookup_max={args.ngram}, "
-             f"max_tokens={max_tokens}", ""] + table(results)
+             f"max_tokens={max_tokens}, repeats={args.repeats}", ""] + table(results)
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return results

@@ -54,10 +54,15 @@ MAX_ROWS = 16          # the fused kernels handle up to this many tokens...
 FUSE_UP_TO = 1         # ...and are used (fused=None) up to this many: measured by bench_gemv,
                        # with more tokens cuBLAS's tensor-core matmuls win
 DOT_ROWS: tl.constexpr = tl.constexpr(16)   # from this many (padded) tokens the kernels use tensor cores
-# fused_rows(): inside it, steps of up to MAX_ROWS tokens of a 16-bit model use the fused kernels
-# too, their rows padded to DOT_ROWS (tensor cores): what a speculative engine captures its small
-# decode graphs with (runner.py), where a verify step's k + 1 rows would otherwise leave the fused
-# kernels for cuBLAS and twice the launches
+# fused_rows(mode): inside it, steps of a few tokens use the fused kernels too -- what a speculative
+# engine captures its small decode graphs with (runner.py), where a verify step's k + 1 rows would
+# otherwise leave the fused kernels for cuBLAS and twice the launches. Modes:
+#   "fma"        2..FMA_ROWS tokens, any dtype: each token against the weight tile as loaded
+#                (_stream_each_row: the one-token kernels' fp32 FMAs, the weights read once)
+#   "fma_layers" the same for the layers, the LM head stays cuBLAS (its rows x vocab of FMAs)
+#   "dot"        2..MAX_ROWS tokens of a 16-bit model, rows padded to DOT_ROWS (tensor cores)
+FMA_ROWS = 8
+FUSED_ROWS_MODES = ("fma", "fma_layers", "dot")
 _FUSED_ROWS = [False]
 
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
@@ -231,6 +236,46 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
 
 
 @triton.jit
+def _stream_each_row(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
+                     HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """_stream_rows for 2..8 tokens (a speculative verify step's rows): the weight tile is loaded
+    and widened to fp32 ONCE, then each token's x row is multiplied against it exactly as the
+    one-token kernel does (fp32 FMAs and a sum over K, no tensor cores, no transposed tile), its
+    sums written into that token's row of the accumulators. The weights -- all the memory traffic
+    -- are read once for all tokens; tokens past M (rows of a smaller step) are skipped."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_a = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_lo = tl.program_id(1) * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    pdl_start(PDL)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        cols = k0 + offs_k
+        kmask = cols < k_hi
+        wmask = rmask[:, None] & kmask[None, :]
+        wa = tl.load(w_ptr + rows_a[:, None] * K + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if PAIRED:
+            wb = tl.load(w_ptr + rows_b[:, None] * K + cols[None, :], mask=wmask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            g = tl.load(g_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            if m < M:
+                x = tl.load(x_ptr + m * stride_x + cols, mask=kmask, other=0.0).to(tl.float32)
+                here = offs_m == m
+                if HAS_NORM:
+                    sum_sq = tl.where(here, sum_sq + tl.sum(x * x, axis=0), sum_sq)
+                    x = x * g
+                acc_a = tl.where(here[:, None], acc_a + tl.sum(wa * x[None, :], axis=1)[None, :], acc_a)
+                if PAIRED:
+                    acc_b = tl.where(here[:, None], acc_b + tl.sum(wb * x[None, :], axis=1)[None, :], acc_b)
+    main_loop_done(PDL)
+    return acc_a, acc_b, sum_sq
+
+
+@triton.jit
 def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
     """Split-K without a second launch: every program of a row block writes its partial sums to a
@@ -275,9 +320,13 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
     codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
     Returns (last, acc_a, acc_b): only the program with `last` set holds the full sums and goes
     on to its kernel's epilogue."""
-    acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
-                                        k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
-                                        ACC2D)
+    if BLOCK_M > 1 and BLOCK_M < DOT_ROWS:      # a few rows: each against the tile (_stream_each_row)
+        acc_a, acc_b, sum_sq = _stream_each_row(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
+                                                k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL)
+    else:
+        acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
+                                            k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
+                                            ACC2D)
     if SPLITS > 1:
         last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
                                                     SPLITS, BLOCK_M, BLOCK_R)
@@ -415,9 +464,9 @@ def _plan(x, k, row_blocks, cfg, pdl):
         block_m = max(block_m, DOT_ROWS.value)       # rows padded: tensor cores
     if block_m >= DOT_ROWS.value:
         block_r = max(block_r, DOT_ROWS.value)       # tensor cores: 16 x 16 tiles at least
-    else:                                            # fp32 products in registers
-        cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)
-        block_k = max(16, min(block_k, cap // (block_m * block_r)))
+    else:                                            # fp32 products in registers: one token's at a
+        cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)     # time (_stream_each_row)
+        block_k = max(16, min(block_k, cap // block_r))
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
     splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
@@ -451,29 +500,36 @@ def _codes_scale(w):
 
 
 class fused_rows:
-    """`with fused_rows(): ...`: steps of 2..MAX_ROWS tokens of a bf16/fp16 model use the fused
-    kernels on tensor cores (rows padded to DOT_ROWS), not cuBLAS and the separate small kernels."""
+    """`with fused_rows(mode): ...`: steps of a few tokens use the fused kernels (the modes above,
+    True = "dot"; False / None: off), not cuBLAS and the separate small kernels."""
 
-    def __init__(self, on: bool = True):
-        self.on = on
+    def __init__(self, mode="dot"):
+        mode = "dot" if mode is True else (mode or False)
+        if mode is not False and mode not in FUSED_ROWS_MODES:
+            raise ValueError(f"fused_rows mode must be one of {FUSED_ROWS_MODES}, found {mode!r}")
+        self.mode = mode
 
     def __enter__(self):
-        self._was, _FUSED_ROWS[0] = _FUSED_ROWS[0], self.on
+        self._was, _FUSED_ROWS[0] = _FUSED_ROWS[0], self.mode
 
     def __exit__(self, *exc):
         _FUSED_ROWS[0] = self._was
 
 
 def _dot_rows_on(x) -> bool:
-    return _FUSED_ROWS[0] and x.dtype in (torch.bfloat16, torch.float16)
+    return _FUSED_ROWS[0] == "dot" and x.dtype in (torch.bfloat16, torch.float16)
 
 
-def _use_fused(x, fused) -> bool:
-    """fused=None: the fused kernel for 1..FUSE_UP_TO tokens (inside fused_rows(): up to
-    MAX_ROWS of a 16-bit model); True/False forces a path."""
+def _use_fused(x, fused, lm_head: bool = False) -> bool:
+    """fused=None: the fused kernel for 1..FUSE_UP_TO tokens (inside fused_rows(): up to FMA_ROWS,
+    or MAX_ROWS of a 16-bit model in "dot" mode); True/False forces a path."""
     if fused is None:
-        t = x.shape[0]
-        return 0 < t <= FUSE_UP_TO or (0 < t <= MAX_ROWS and _dot_rows_on(x))
+        t, mode = x.shape[0], _FUSED_ROWS[0]
+        if 0 < t <= FUSE_UP_TO:
+            return True
+        if mode == "fma" or (mode == "fma_layers" and not lm_head):
+            return 0 < t <= FMA_ROWS
+        return 0 < t <= MAX_ROWS and _dot_rows_on(x)
     if fused and x.shape[0] > MAX_ROWS:
         raise ValueError(f"the fused kernels take at most {MAX_ROWS} rows, got {x.shape[0]}")
     return fused and x.shape[0] > 0
@@ -526,7 +582,7 @@ def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=
                         pdl=None, fp8_config=GEMV_CONFIG["lm_head_fp8"]):
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
     taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
-    if not _use_fused(x, fused):
+    if not _use_fused(x, fused, lm_head=True):
         logits = linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
     config = fp8_config if isinstance(w, FP8Weight) else config
