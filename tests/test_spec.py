@@ -389,3 +389,23 @@ def test_rejection_sampling_keeps_the_target_distribution(one_hot):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_bench_spec_repeats_and_breakdown(tmp_path):
+    """bench spec --small: runs alternate off / on, medians per variant, and the instrumented run's
+    steps split by kind add up to the engine's steps (verify steps included), with the same tokens."""
+    from pagedlab.bench.spec import run
+    res = run(["--small", "--workloads", "copy", "--modes", "one_stream", "--repeats", "2", "--breakdown",
+               "--max-tokens", "16", "--out", str(tmp_path)])
+    r = res["runs"]["copy/one_stream"]
+    for v in ("off", "on"):
+        x = r["variants"][v]
+        assert len(x["tokens_per_s"]) == 2 and min(x["tokens_per_s"]) <= x["median"] <= max(x["tokens_per_s"])
+        assert x["same_tokens"] == 1.0
+    assert r["variants"]["on"]["median_run"]["accepted"] > 0
+    for v, b in res["breakdown"].items():       # each launch emits one token per request, + kept guesses
+        launches = sum(k["steps"] for k in b["kinds"].values())
+        assert b["kinds"]["prefill"]["steps"] == 4 and launches + b["accepted"] == b["tokens"], (v, b)
+    assert res["breakdown"]["copy/on"]["kinds"]["verify"]["rows"] > 1
+    assert "verify" not in res["breakdown"]["copy/off"]["kinds"]
+    assert (tmp_path / "spec_bench.md").read_text().count("| copy | one_stream |") == 2

@@ -1,8 +1,9 @@
 """The fused decode kernels for a speculative verify step's few rows (kernels/gemv.py fused_rows):
-inside fused_rows(), steps of 2..16 tokens of a 16-bit model run the fused kernels with their rows
-padded to 16 (tensor-core dots) instead of cuBLAS + the separate small kernels. Checked against
-the plain-torch references in fp64 on the same (rounded) inputs; on CPU under the Triton
-interpreter in fp16 at small irregular shapes, on a GPU in bf16 at Llama-3.2-1B's.
+inside fused_rows("fma"), steps of 2..8 tokens run the fused kernels with each token against the
+weight tile as loaded; inside fused_rows("dot"), steps of 2..16 tokens of a 16-bit model run them
+with their rows padded to 16 (tensor-core dots) -- instead of cuBLAS + the separate small kernels.
+Checked against the plain-torch references in fp64 on the same (rounded) inputs; on CPU under the
+Triton interpreter in fp16 / fp32 at small irregular shapes, on a GPU in bf16 at Llama-3.2-1B's.
 """
 import os
 
@@ -80,8 +81,8 @@ def run_all(t, gen, dtype=DTYPE):
 
 
 @pytest.mark.parametrize("t", [2, 5])
-def test_fused_rows_match_the_references(t, launches):
-    with gemv.fused_rows():
+def test_fused_rows_dot_match_the_references(t, launches):
+    with gemv.fused_rows("dot"):
         pairs = run_all(t, torch.Generator().manual_seed(t))
     for out, ref in pairs:
         check(out, ref)
@@ -100,3 +101,27 @@ def test_outside_fused_rows_and_in_fp32_nothing_changes(launches):
         run_all(3, torch.Generator().manual_seed(3), dtype=torch.float32)
     assert launches == []
     assert not gemv._FUSED_ROWS[0]
+
+
+@pytest.mark.parametrize("t,dtype", [(2, DTYPE), (5, DTYPE), (3, torch.float32)])
+def test_fused_rows_fma_match_the_references(t, dtype, launches):
+    """Each of the t rows against the weight tile: every launch fused, rows NOT padded to 16 (BLOCK_M
+    the next power of two), any dtype; t=5 runs BLOCK_M 8 with rows 5..7 skipped."""
+    with gemv.fused_rows("fma"):
+        pairs = run_all(t, torch.Generator().manual_seed(10 + t), dtype=dtype)
+    for out, ref in pairs:
+        check(out, ref)
+    assert len(launches) == 5 and all(m == 1 << (t - 1).bit_length() for m, _ in launches), launches
+
+
+def test_fused_rows_fma_layers_keeps_the_cublas_lm_head(launches):
+    with gemv.fused_rows("fma_layers"):
+        pairs = run_all(4, torch.Generator().manual_seed(4))
+    for out, ref in pairs:
+        check(out, ref)
+    assert len(launches) == 4          # qkv, o, swiglu, down fused; the LM head composed
+    with gemv.fused_rows("fma"):
+        run_all(gemv.FMA_ROWS + 1, torch.Generator().manual_seed(9))    # above FMA_ROWS: composed
+    assert len(launches) == 4
+    with pytest.raises(ValueError, match="fused_rows mode"):
+        gemv.fused_rows("fast")

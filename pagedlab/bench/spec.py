@@ -258,6 +258,7 @@ def breakdown(llm, speculator, prompts, params, real, graphs=None) -> dict:
     s = probe.summary()
     in_steps = sum(v.get("gpu_ms", {}).get("total", 0) + v.get("gap_ms", {}).get("total", 0) for v in s.values())
     return dict(wall_ms=round(wall * 1e3, 3), tokens=sum(len(o.token_ids) for o in outs),
+                accepted=sum(o.num_spec_accepted for o in outs),
                 outside_steps_ms=round(wall * 1e3 - in_steps, 3) if probe.cuda else None, kinds=s)
 
 
