@@ -121,6 +121,35 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
                 token_ids=[o.token_ids for o in outs])
 
 
+def adaptive_options(spec, item: str) -> dict:
+    """--fused-rows item "mode@name=value+name=value": AdaptiveK settings for that variant's runs
+    (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK."""
+    opts = {}
+    for part in [p for p in item.partition("@")[2].split("+") if p]:
+        name, _, value = part.partition("=")
+        if spec is None or spec.adaptive is None or not hasattr(spec.adaptive, name) or name.startswith("_"):
+            raise SystemExit(f"--fused-rows {item!r}: {name!r} is no AdaptiveK setting")
+        opts[name] = type(getattr(spec.adaptive, name))(value)
+    return opts
+
+
+class adaptive_set:
+    """`with adaptive_set(speculator, opts):` those AdaptiveK settings, the old ones back after."""
+
+    def __init__(self, spec, opts: dict):
+        self.target = spec.adaptive if spec is not None else None
+        self.opts = opts if self.target is not None else {}
+
+    def __enter__(self):
+        self.old = {k: getattr(self.target, k) for k in self.opts}
+        for k, v in self.opts.items():
+            setattr(self.target, k, v)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            setattr(self.target, k, v)
+
+
 def variant_graphs(llm, modes) -> dict:
     """mode -> decode graphs of the engine's sizes captured in that kernels/gemv.py fused_rows mode
     ("off": the composed cuBLAS path), the engine's own graphs for its own mode. Captured on the
@@ -385,10 +414,11 @@ def run(argv=None) -> dict:
     if args.fuse_up_to is not None:
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
     own_mode = ModelRunner.SPEC_FUSED_ROWS or "off"
-    modes = [m for m in (args.fused_rows or own_mode).split(",") if m]
-    for m in modes:
-        if m != "off" and m not in gemv.FUSED_ROWS_MODES:
+    items = [m for m in (args.fused_rows or own_mode).split(",") if m]
+    for m in items:
+        if m.partition("@")[0] != "off" and m.partition("@")[0] not in gemv.FUSED_ROWS_MODES:
             raise SystemExit(f"--fused-rows: {m!r} is none of off, {', '.join(gemv.FUSED_ROWS_MODES)}")
+    modes = [m.partition("@")[0] for m in items]
     from pagedlab.spec.config import SpeculativeConfig
     from pagedlab.spec.speculator import Speculator  # noqa: F401  (the engine builds it)
 
@@ -404,13 +434,15 @@ def run(argv=None) -> dict:
     spec = llm.engine.speculator
     graphs = variant_graphs(llm, set(modes) | {own_mode})
     base = graphs[own_mode]                              # what the runs without speculation replay
-    variants = {"off": (None, base)} | {f"on ({m})" if len(modes) > 1 else "on": (spec, graphs[m]) for m in modes}
+    variants = {"off": (None, base, {})} | {f"on ({m})" if len(items) > 1 else "on": (spec, graphs[m.partition("@")[0]],
+                                                                                    adaptive_options(spec, m))
+                                              for m in items}
     tok = llm.get_tokenizer() if real or model == "random:llama-3.2-1b" else None
     vocab = min(llm.engine.model.config.vocab_size, RANDOM_TOKEN_LIMIT)
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
-                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=modes, repeats=args.repeats,
+                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, repeats=args.repeats,
                    overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
@@ -425,7 +457,7 @@ def run(argv=None) -> dict:
         for mode in [m for m in args.modes.split(",") if m]:
             batched = mode == "batched"
             ps = prompts * args.copies if batched else prompts
-            for s, g in variants.values():                # warm-up: compile, capture, fill caches
+            for s, g, _ in variants.values():             # warm-up: compile, capture, fill caches
                 set_speculation(llm, s)
                 llm.engine.runner.graphs = g
                 run_once(llm, ps[:len(prompts)], SamplingParams(max_tokens=min(16, max_tokens)), real, batched)
@@ -433,7 +465,9 @@ def run(argv=None) -> dict:
             order = list(variants)
             for i in range(max(1, args.repeats)):        # alternating: off, on..., then on..., off
                 for v in (order if i % 2 == 0 else order[::-1]):
-                    runs[v].append(measure(llm, *variants[v][:1], ps, params, real, batched, graphs=variants[v][1]))
+                    s, g, opts = variants[v]
+                    with adaptive_set(s, opts):
+                        runs[v].append(measure(llm, s, ps, params, real, batched, graphs=g))
             ref = runs["off"][0]["token_ids"]
             r = dict(workload=name, mode=mode, requests=len(ps), variants={})
             off_median = statistics.median(x["tokens_per_s"] for x in runs["off"])
@@ -459,8 +493,9 @@ def run(argv=None) -> dict:
             r["same_tokens"] = r["variants"][first_on]["same_tokens"]
             results["runs"][f"{name}/{mode}"] = r
             if args.breakdown and not batched:
-                for v, (s, g) in variants.items():
-                    b = breakdown(llm, s, ps, params, real, graphs=g)
+                for v, (s, g, opts) in variants.items():
+                    with adaptive_set(s, opts):
+                        b = breakdown(llm, s, ps, params, real, graphs=g)
                     results.setdefault("breakdown", {})[f"{name}/{v}"] = b
                     print(f"breakdown {name} {v}: {b}", flush=True)
             write_json(out / f"{stem}.json", results)      # (a run cut short keeps what it has)
