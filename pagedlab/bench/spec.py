@@ -504,7 +504,7 @@ def run(argv=None) -> dict:
     if args.replay and cuda:
         from triton.testing import do_bench
         results["replay_ms"] = {}
-        for m in modes:
+        for m in dict.fromkeys(modes):
             g = graphs[m]
             if g is None or not g.capture:
                 continue
@@ -514,7 +514,7 @@ def run(argv=None) -> dict:
             print(f"graph replay ms by rows ({m}):", {b: round(v, 4) for b, v in results["replay_ms"][m].items()},
                   flush=True)
     if args.kernels and cuda:
-        results["kernels_us"] = kernel_times(modes=[m for m in modes if m != "off"] or ("fma",))
+        results["kernels_us"] = kernel_times(modes=[m for m in dict.fromkeys(modes) if m != "off"] or ("fma",))
     write_json(out / f"{stem}.json", results)
     lines = [f"model: {model} ({dtype}) on {results['device']}; k={args.k}, prompt_lookup_max={args.ngram}, "
              f"max_tokens={max_tokens}, repeats={args.repeats}", ""] + table(results)
