@@ -157,19 +157,17 @@ def norm_lm_head_torch(x, norm_w, eps, w, greedy=False):
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
-    """acc[M, R] += x[M, K] . w[R, K]^T as multiply-and-sum in fp32: no tensor cores, and no
-    reshuffling of the weight tile into a matmul layout -- it is used exactly as it was loaded.
-    From 16 tokens (rows padded to 16: a speculative verify step's few rows, see DOT_ROWS) the
-    fp32 products would not fit the registers: a tensor-core dot then, in x's dtype (the model's:
-    bf16/fp16 x and weights; fp32 exactly, "ieee"), accumulating in fp32."""
+    """acc[M, R] += x[M, K] . w[R, K]^T. One token: multiply-and-sum in fp32, no tensor cores, and
+    no reshuffling of the weight tile into a matmul layout -- it is used exactly as it was loaded
+    (2..8 tokens do the same one token at a time: _stream_each_row). From 16 tokens (rows padded
+    to 16: fused_rows "dot", see DOT_ROWS) a tensor-core dot, in x's dtype (the model's: bf16/fp16
+    x and weights; fp32 exactly, "ieee"), accumulating in fp32."""
     if BLOCK_M == 1:
         return acc + tl.sum(w.to(tl.float32) * x, axis=1)[None, :]          # x [1, K] broadcasts
-    elif BLOCK_M >= DOT_ROWS:
-        if x.dtype == tl.float32:
-            return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    elif x.dtype == tl.float32:
+        return tl.dot(x, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
-        return acc + tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
 
 
 @triton.jit
