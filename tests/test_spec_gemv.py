@@ -125,3 +125,21 @@ def test_fused_rows_fma_layers_keeps_the_cublas_lm_head(launches):
     assert len(launches) == 4
     with pytest.raises(ValueError, match="fused_rows mode"):
         gemv.fused_rows("fast")
+
+
+def test_fma_min_programs_splits_k_further(monkeypatch):
+    """FMA_MIN_PROGRAMS: a few-token launch splits K until it has that many programs (the split-K
+    sums then gathered in the same launch), the result unchanged; one token keeps its split."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=64, num_warps=4, num_stages=1)
+    a, w, r = rand(5, 344, gen=gen), rand(200, 344, gen=gen, scale=344 ** -0.5), rand(5, 200, gen=gen)
+    grids, plan = [], gemv._plan
+    monkeypatch.setattr(gemv, "_plan", lambda *x, **kw: grids.append(plan(*x, **kw)[0]) or plan(*x, **kw))
+    monkeypatch.setattr(gemv, "FMA_MIN_PROGRAMS", 64)
+    with gemv.fused_rows("fma"):
+        out = gemv.linear_residual_triton(a, w, r, config=cfg)
+        one = gemv.linear_residual_triton(a[:1], w, r[:1], config=cfg)
+    check(out, gemv.linear_residual_torch(a.double(), w.double(), r.double()))
+    check(one, gemv.linear_residual_torch(a[:1].double(), w.double(), r[:1].double()))
+    (blocks, splits), one_grid = grids
+    assert blocks == 25 and splits > 1 and blocks * splits >= 64 and one_grid == (25, 1), grids

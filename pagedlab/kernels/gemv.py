@@ -62,6 +62,10 @@ DOT_ROWS: tl.constexpr = tl.constexpr(16)   # from this many (padded) tokens the
 #   "fma_layers" the same for the layers, the LM head stays cuBLAS (its rows x vocab of FMAs)
 #   "dot"        2..MAX_ROWS tokens of a 16-bit model, rows padded to DOT_ROWS (tensor cores)
 FMA_ROWS = 8
+# 2..8 tokens do up to 8x the one-token kernels' FMAs with the same launch parameters; K is split
+# further (halving K_SPLIT, not below BLOCK_K) until a launch has at least this many programs
+# (0: the one-token split). PAGEDLAB_FMA_MIN_PROGRAMS sets it at import (bench spec measures it).
+FMA_MIN_PROGRAMS = int(os.environ.get("PAGEDLAB_FMA_MIN_PROGRAMS", "0"))
 FUSED_ROWS_MODES = ("fma", "fma_layers", "dot")
 _FUSED_ROWS = [False]
 
@@ -466,8 +470,11 @@ def _plan(x, k, row_blocks, cfg, pdl):
         cap = MAX_PRODUCT_VALUES * max(1, cfg["num_warps"] // 4)     # time (_stream_each_row)
         block_k = max(16, min(block_k, cap // block_r))
     k_split = triton.cdiv(min(cfg["K_SPLIT"], k), block_k) * block_k
-    splits = triton.cdiv(k, k_split)
     row_blocks = row_blocks(block_r)
+    if 1 < block_m < DOT_ROWS.value:                 # a few tokens: their FMAs spread over more programs
+        while row_blocks * triton.cdiv(k, k_split) < FMA_MIN_PROGRAMS and k_split > block_k:
+            k_split = max(block_k, k_split // 2 // block_k * block_k)
+    splits = triton.cdiv(k, k_split)
     ws = cnt = x
     if splits > 1:
         key = (x.device, block_m, block_r, row_blocks, splits)
