@@ -442,7 +442,7 @@ def run(argv=None) -> dict:
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
-                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, repeats=args.repeats,
+                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, fma_min_programs=gemv.FMA_MIN_PROGRAMS, repeats=args.repeats,
                    overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
