@@ -178,42 +178,42 @@ class StepProbe:
     how long the GPU sat idle before it)."""
 
     def __init__(self, engine):
-        self.engine, self.steps, self._patched = engine, [], []
-        self._by_batch, self._by_launch = {}, {}
+        self.engine, self.steps, self.patched = engine, [], []
+        self.by_batch, self.by_launch = {}, {}
         self.cuda = engine.device.type == "cuda"
-        self._sched_s = self._propose_s = 0.0
+        self.schedule_now_s = self.propose_now_s = 0.0
         sched, runner = engine.scheduler, engine.runner
-        self._wrap(sched, "schedule", self._schedule)
-        self._wrap(runner, "launch", self._launch)
-        self._wrap(runner, "read", self._read)
-        self._wrap(sched, "accept", self._accept)
+        self.wrap(sched, "schedule", self.on_schedule)
+        self.wrap(runner, "launch", self.on_launch)
+        self.wrap(runner, "read", self.on_read)
+        self.wrap(sched, "accept", self.on_accept)
         if engine.speculator is not None:
-            self._wrap(engine.speculator.proposer, "propose", self._propose)
+            self.wrap(engine.speculator.proposer, "propose", self.on_propose)
 
-    def _wrap(self, obj, name, fn):
+    def wrap(self, obj, name, fn):
         orig = getattr(obj, name)
-        self._patched.append((obj, name))
+        self.patched.append((obj, name))
         setattr(obj, name, lambda *a, **kw: fn(orig, *a, **kw))
 
     def close(self) -> None:
-        for obj, name in self._patched:
+        for obj, name in self.patched:
             delattr(obj, name)          # the class's method again
-        self._patched = []
+        self.patched = []
 
-    def _schedule(self, orig, *a, **kw):
-        self._propose_s = 0.0
+    def on_schedule(self, orig, *a, **kw):
+        self.propose_now_s = 0.0
         t = time.perf_counter()
         out = orig(*a, **kw)
-        self._sched_s = time.perf_counter() - t
+        self.schedule_now_s = time.perf_counter() - t
         return out
 
-    def _propose(self, orig, *a, **kw):
+    def on_propose(self, orig, *a, **kw):
         t = time.perf_counter()
         out = orig(*a, **kw)
-        self._propose_s += time.perf_counter() - t
+        self.propose_now_s += time.perf_counter() - t
         return out
 
-    def _launch(self, orig, batch, *a, **kw):
+    def on_launch(self, orig, batch, *a, **kw):
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
         if ev:
             ev[0].record()
@@ -224,24 +224,24 @@ class StepProbe:
         if ev:
             ev[1].record()
         kind = "prefill" if batch.prefill else ("verify" if batch.guessed else "plain")
-        rec = dict(kind=kind, rows=rows, t=t, schedule_s=self._sched_s, propose_s=self._propose_s,
+        rec = dict(kind=kind, rows=rows, t=t, schedule_s=self.schedule_now_s, propose_s=self.propose_now_s,
                    launch_s=dt, read_s=0.0, accept_s=0.0, events=ev)
         self.steps.append(rec)
-        self._by_batch[id(batch)], self._by_launch[id(launch)] = rec, rec
+        self.by_batch[id(batch)], self.by_launch[id(launch)] = rec, rec
         return launch
 
-    def _read(self, orig, launch):
+    def on_read(self, orig, launch):
         t = time.perf_counter()
         out = orig(launch)
-        rec = self._by_launch.get(id(launch))
+        rec = self.by_launch.get(id(launch))
         if rec is not None:
             rec["read_s"] += time.perf_counter() - t
         return out
 
-    def _accept(self, orig, batch, *a, **kw):
+    def on_accept(self, orig, batch, *a, **kw):
         t = time.perf_counter()
         out = orig(batch, *a, **kw)
-        rec = self._by_batch.get(id(batch))
+        rec = self.by_batch.get(id(batch))
         if rec is not None:
             rec["accept_s"] += time.perf_counter() - t
         return out
