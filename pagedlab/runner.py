@@ -99,6 +99,7 @@ class ModelRunner:
         # eager steps run at a bucketed row count on CUDA (padding tokens, see _host_inputs)
         self.pad_rows = self.device.type == "cuda"
         self.graphs = None
+        self.spec_fused_rows = None     # the kernels/gemv.py fused_rows mode of the few-row graphs
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
             from .cuda_graph import DEFAULT_SIZES, DecodeGraphs
             # speculative: a graph for every row count of one sequence's verify (1 + 1..k rows)
@@ -115,16 +116,24 @@ class ModelRunner:
         self.speculative = rows_per_seq > 1
 
     # A speculative engine captures its graphs of a few rows with the fused decode kernels in this
-    # kernels/gemv.py fused_rows mode: "fma" (2..8 rows, each row against the weight tile as
-    # loaded), "fma_layers" (the same, cuBLAS LM head), "dot" (tensor cores, rows padded to 16;
-    # measured slower on the H200), or None: cuBLAS plus the separate norm / RoPE / store / SwiGLU
-    # kernels. `bench spec --fused-rows` measures them (docs/speculative.md).
-    SPEC_FUSED_ROWS = None
+    # kernels/gemv.py fused_rows mode: "fma" (2..FMA_ROWS rows, each row against the weight tile
+    # as loaded), "fma_layers" (the same, cuBLAS LM head), "dot" (tensor cores, rows padded to 16),
+    # None (cuBLAS plus the separate norm / RoPE / store / SwiGLU kernels), or "auto": "fma_layers"
+    # for models of hidden size <= FMA_MAX_HIDDEN, else None. Measured on the H200 (2026-12-02,
+    # docs/speculative.md): SmolLM2 (576) graph replay 2 / 3 / 4 / 5 rows 0.755 / 0.865 / 0.947 /
+    # 1.022 ms with fma_layers against 1.067-1.075 with cuBLAS; at Llama-3.2-1B's shapes (2048) one
+    # layer's fma kernels at 5 rows took 114 us against cuBLAS's 52. `bench spec --fused-rows`.
+    SPEC_FUSED_ROWS = "auto"
+    FMA_MAX_HIDDEN = 1024
 
     def _verify_kernels(self, rows_per_seq: int):
-        if rows_per_seq > 1 and self.SPEC_FUSED_ROWS and self.device.type == "cuda":
+        mode = self.SPEC_FUSED_ROWS
+        if mode == "auto":
+            mode = "fma_layers" if self.model.config.hidden_size <= self.FMA_MAX_HIDDEN else None
+        self.spec_fused_rows = mode if rows_per_seq > 1 and mode and self.device.type == "cuda" else None
+        if self.spec_fused_rows:                 # (what the graphs were captured with: bench spec)
             from .kernels.gemv import fused_rows
-            return fused_rows(self.SPEC_FUSED_ROWS)
+            return fused_rows(mode)
         return contextlib.nullcontext()
 
     def run(self, batch) -> list[int]:

@@ -12,10 +12,11 @@ from pagedlab import SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("fused_rows", [None, "fma"])
+@pytest.mark.parametrize("fused_rows", [None, "auto"])
 def test_verify_steps_replay_graphs_and_match_the_plain_engine(fused_rows, monkeypatch):
     """fused_rows: the kernels the few-row graphs are captured with (ModelRunner.SPEC_FUSED_ROWS:
-    None = cuBLAS + separate small kernels, "fma" = the fused kernels a row at a time)."""
+    None = cuBLAS + separate small kernels, "auto" = the default: fma_layers for a small model, the fused
+    kernels a row at a time)."""
     from pagedlab.runner import ModelRunner
     monkeypatch.setattr(ModelRunner, "SPEC_FUSED_ROWS", fused_rows)
     rnd = random.Random(0)

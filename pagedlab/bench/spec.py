@@ -161,7 +161,7 @@ def variant_graphs(llm, modes) -> dict:
     own = runner.graphs
     out = {}
     for mode in modes:
-        if own is None or not own.capture or mode == (runner.SPEC_FUSED_ROWS or "off"):
+        if own is None or not own.capture or mode == (runner.spec_fused_rows or "off"):
             out[mode] = own
             continue
         with fused_rows(None if mode == "off" else mode):
@@ -410,11 +410,9 @@ def run(argv=None) -> dict:
         raise SystemExit("bench spec needs a CUDA GPU (or --small, which runs on CPU)")
     from pagedlab.kernels import gemv
     from pagedlab.llm import LLM
-    from pagedlab.runner import ModelRunner
     if args.fuse_up_to is not None:
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
-    own_mode = ModelRunner.SPEC_FUSED_ROWS or "off"
-    items = [m for m in (args.fused_rows or own_mode).split(",") if m]
+    items = [m for m in (args.fused_rows or "").split(",") if m]
     for m in items:
         if m.partition("@")[0] != "off" and m.partition("@")[0] not in gemv.FUSED_ROWS_MODES:
             raise SystemExit(f"--fused-rows: {m!r} is none of off, {', '.join(gemv.FUSED_ROWS_MODES)}")
@@ -432,6 +430,9 @@ def run(argv=None) -> dict:
     llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
               speculative_config=sc)
     spec = llm.engine.speculator
+    own_mode = getattr(llm.engine.runner, "spec_fused_rows", None) or "off"    # (no graphs on a CPU)
+    if not items:
+        items = modes = [own_mode]
     graphs = variant_graphs(llm, set(modes) | {own_mode})
     base = graphs[own_mode]                              # what the runs without speculation replay
     variants = {"off": (None, base, {})} | {f"on ({m})" if len(items) > 1 else "on": (spec, graphs[m.partition("@")[0]],

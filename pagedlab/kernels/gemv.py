@@ -61,11 +61,12 @@ DOT_ROWS: tl.constexpr = tl.constexpr(16)   # from this many (padded) tokens the
 #                (_stream_each_row: the one-token kernels' fp32 FMAs, the weights read once)
 #   "fma_layers" the same for the layers, the LM head stays cuBLAS (its rows x vocab of FMAs)
 #   "dot"        2..MAX_ROWS tokens of a 16-bit model, rows padded to DOT_ROWS (tensor cores)
-FMA_ROWS = 8
-# 2..8 tokens do up to 8x the one-token kernels' FMAs with the same launch parameters; K is split
-# further (halving K_SPLIT, not below BLOCK_K) until a launch has at least this many programs
-# (0: the one-token split). PAGEDLAB_FMA_MIN_PROGRAMS sets it at import (bench spec measures it).
-FMA_MIN_PROGRAMS = int(os.environ.get("PAGEDLAB_FMA_MIN_PROGRAMS", "0"))
+FMA_ROWS = 5          # H200, SmolLM2 graph replay: fma_layers faster at 2..5 rows, slower at 8
+# 2..FMA_ROWS tokens do up to that many times the one-token kernels' FMAs with the same launch
+# parameters; K is split further (halving K_SPLIT, not below BLOCK_K) until a launch has at least
+# this many programs (0: the one-token split). H200, SmolLM2 shapes, 5 rows, 30 layers + LM head:
+# 1,067 us at 0, 851 at 264 (two per SM), 851 at 528. PAGEDLAB_FMA_MIN_PROGRAMS sets it at import.
+FMA_MIN_PROGRAMS = int(os.environ.get("PAGEDLAB_FMA_MIN_PROGRAMS", "264"))
 FUSED_ROWS_MODES = ("fma", "fma_layers", "dot")
 _FUSED_ROWS = [False]
 
