@@ -144,12 +144,24 @@ class ModelRunner:
         """Wait for that step only (not for anything launched after it) and return its tokens."""
         return launch.tokens if launch.tokens is not None else launch.replay.read_tokens()
 
+    # Steps with prompt tokens of at most this many rows in all (and no guesses) replay the decode
+    # graphs too: each prompt token is one more decode row (position p, length p + 1), as a verify
+    # step's guesses are. An eager step of a few prompt tokens is launch-bound (H200, SmolLM2: 14-25
+    # ms for 12 tokens, docs/speculative.md); a replay is ~1 ms. 0: off (not yet measured on a GPU).
+    GRAPH_PREFILL_ROWS = 0
+
     def replays(self, batch) -> bool:
-        """Is this step a CUDA-graph replay (decode only, a captured size)?"""
+        """Is this step a CUDA-graph replay (decode only -- or a few prompt tokens, see
+        GRAPH_PREFILL_ROWS -- at a captured size)?"""
         rows = len(batch.decode)
-        if self.speculative:
-            rows += sum(len(r.spec_token_ids) for r in batch.decode)
-        return self.graphs is not None and not batch.prefill and self.graphs.batch_size(rows) is not None
+        guesses = sum(len(r.spec_token_ids) for r in batch.decode) if self.speculative else 0
+        if batch.prefill:
+            if guesses:
+                return False
+            rows += sum(r.num_scheduled for r in batch.prefill)
+            if rows > self.GRAPH_PREFILL_ROWS:
+                return False
+        return self.graphs is not None and self.graphs.batch_size(rows + guesses) is not None
 
     def launch(self, batch, after: Launch | None = None) -> Launch:
         """Start the step. `after`: the launch just before this one, not read yet; rows of this
@@ -160,16 +172,27 @@ class ModelRunner:
         reqs, offsets = batch.sampled, None
         if self.speculative and any(r.spec_token_ids for r in batch.decode):   # a row per guess too
             reqs, offsets = verify_rows(reqs)
+        prompt_rows = None
         if self.replays(batch):
-            step = StepInputs("replay", batch.table_edits,
-                              self._graph_rows(batch.sampled, after.rows if after is not None else {}))
+            rows = self._graph_rows(batch.decode, after.rows if after is not None else {})
+            if batch.prefill:                    # prompt tokens as rows first, decodes after them
+                rows, prompt_rows = self._prompt_rows(batch.prefill) + rows, True
+            step = StepInputs("replay", batch.table_edits, rows)
         else:
             step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
         logits, replay = self.execute(step)
         if self.while_running is not None:
             self.while_running(batch)        # host work that overlaps the device's (prefix hashing)
         tokens = None
-        if replay is None or not all(r.params.plain_greedy for r in reqs):
+        if prompt_rows:                      # logits of each sampled prompt's last row, and decodes'
+            ends, n = [], 0
+            for r in batch.prefill:
+                n += r.num_scheduled
+                if r.num_computed + r.num_scheduled == r.num_tokens:
+                    ends.append(n - 1)
+            logits = logits[ends + list(range(n, n + len(batch.decode)))]
+            tokens, batch.logprobs = self._sample(logits, reqs, offsets)
+        elif replay is None or not all(r.params.plain_greedy for r in reqs):
             tokens, batch.logprobs = self._sample(logits, reqs, offsets)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
@@ -254,6 +277,16 @@ class ModelRunner:
             decode_block_table=table[d_slots_t, :d_cols], decode_seq_lens=d_lens_t.int(),
             max_seq_len=max(d_lens, default=0))
         return ids_t, positions, meta, rows_t
+
+    def _prompt_rows(self, prefill) -> list[tuple]:
+        """Graph rows of a step's prompt tokens: each token of each chunk one row, at its position,
+        its KV slot, the sequence's length up to it (the causal mask), the request's slot."""
+        rows = []
+        for r in prefill:
+            start, end = r.num_computed, r.num_computed + r.num_scheduled
+            rows += [(tok, p, s, p + 1, r.slot, -1) for tok, p, s in
+                     zip(r.all_token_ids[start:end], range(start, end), kv_slots(r.blocks, start, end, self.block_size))]
+        return rows
 
     def _graph_rows(self, reqs, pending: dict[int, int]) -> list[tuple]:
         """Host rows for a graph replay: token, position, KV slot, length, slot, and the row of the

@@ -395,6 +395,9 @@ def run(argv=None) -> dict:
                    help="comma-separated kernels/gemv.py fused_rows modes of the few-row decode graphs the "
                         "speculative runs replay, each a run of its own: off (cuBLAS + separate small "
                         "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS)")
+    p.add_argument("--graph-prefill", type=int, default=None, metavar="N",
+                   help="steps with at most N prompt + decode rows replay the decode graphs "
+                        "(runner.ModelRunner.GRAPH_PREFILL_ROWS; every run, plain and speculative)")
     p.add_argument("--breakdown", action="store_true",
                    help="one more instrumented one-stream run per case: host / GPU / idle time per step kind")
     p.add_argument("--replay", action="store_true",
@@ -429,6 +432,8 @@ def run(argv=None) -> dict:
                            adaptive=not args.no_adaptive)
     llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
               speculative_config=sc)
+    if args.graph_prefill is not None:
+        llm.engine.runner.GRAPH_PREFILL_ROWS = args.graph_prefill
     spec = llm.engine.speculator
     own_mode = getattr(llm.engine.runner, "spec_fused_rows", None) or "off"    # (no graphs on a CPU)
     if not items:
@@ -443,7 +448,8 @@ def run(argv=None) -> dict:
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
-                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, fma_min_programs=gemv.FMA_MIN_PROGRAMS, repeats=args.repeats,
+                   fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, fma_min_programs=gemv.FMA_MIN_PROGRAMS,
+                   graph_prefill_rows=llm.engine.runner.GRAPH_PREFILL_ROWS, repeats=args.repeats,
                    overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
