@@ -24,6 +24,7 @@ bookkeeping holds a Ctrl-C until it is whole, the device work does not: interrup
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 import weakref
@@ -39,6 +40,8 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Batch, Scheduler
 from .trace import StepRecord, Trace
+
+log = logging.getLogger(__name__)
 
 CPU_KV_POOL_CAP_BYTES = 4 << 30     # on CPU the KV pool never takes more than 4 GiB
 SEED_BITS = 31                      # seeds drawn for requests without one: [0, 2**31)
@@ -250,7 +253,7 @@ class Engine:
         except Exception as e:                # not KeyboardInterrupt: that leaves and is retried
             if getattr(e, "fatal", False):    # the tensor-parallel group stopped: nothing to retry
                 raise
-            self._isolate(batch)
+            self._isolate(batch, e)
             return batch
         with self.timer("accept"):
             self.scheduler.accept(batch, tokens)
@@ -277,7 +280,7 @@ class Engine:
                 raise
             while self._unread:
                 self._read_oldest()
-            self._isolate(batch)
+            self._isolate(batch, e)
             return batch
         self.scheduler.advance(batch)            # its tokens are in flight until read
         self._unread.append((batch, launch))
@@ -305,10 +308,14 @@ class Engine:
                 self.scheduler.accept(batch, tokens, launched=True)
         self._unread.popleft()
 
-    def _isolate(self, batch: Batch) -> None:
+    def _isolate(self, batch: Batch, error: Exception) -> None:
         """A step raised. Run its requests one at a time: a request that raises alone finishes
-        with finish_reason "error" and the message; the others go on as if nothing happened."""
+        with finish_reason "error" and the message; the others go on as if nothing happened.
+        Said once per step in the log (a step that raises and whose requests then all run alone
+        is a bug the outputs do not show)."""
         self.num_isolated_steps += 1
+        log.warning("a step of %d requests raised %s: %s; running them one at a time",
+                    len(batch.prefill) + len(batch.decode), type(error).__name__, error)
         for part in self.scheduler.split(batch):
             req = (part.prefill + part.decode)[0]
             if req.status is not RequestStatus.RUNNING:

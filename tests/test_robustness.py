@@ -188,7 +188,7 @@ def test_abort_unknown_and_finished():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_failing_request_fails_alone(overlap, monkeypatch):
+def test_a_failing_request_fails_alone(overlap, monkeypatch, caplog):
     poison = 444
     rng = torch.Generator().manual_seed(4)
     prompts = random_prompts(6, 400, rng, lo=3, hi=20)
@@ -204,8 +204,12 @@ def test_a_failing_request_fails_alone(overlap, monkeypatch):
 
     monkeypatch.setattr(llm.model, "forward", flaky)
     bad = prompts[:2] + [[5, 6, poison, 7]] + prompts[2:]
-    outs = llm.generate(bad, [params[0]] * len(bad))
+    with caplog.at_level("WARNING", logger="pagedlab.engine"):
+        outs = llm.generate(bad, [params[0]] * len(bad))
     assert outs[2].finish_reason == "error" and "IndexError" in outs[2].error and outs[2].token_ids == []
+    assert llm.engine.num_isolated_steps >= 1        # each such step is counted and said in the log
+    said = [r.getMessage() for r in caplog.records if r.name == "pagedlab.engine"]
+    assert len(said) == llm.engine.num_isolated_steps and all("index 444" in m for m in said), said
     assert [o.token_ids for o in outs[:2] + outs[3:]] == want
     assert llm.engine.scheduler.allocator.num_used == 0
     # and the engine keeps serving
