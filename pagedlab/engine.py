@@ -160,7 +160,6 @@ class Engine:
         # shows steps one by one, so it runs the plain loop. Speculating, a step runs ahead only
         # where nobody guesses (Speculator.wants_sync): guesses start from the last token.
         self.overlap = cfg.overlap and self.runner.graphs is not None and not cfg.trace
-        self._step = self._step_overlap if self.overlap else self._step_plain
         self.last_batch: Batch | None = None       # what the last step ran (prompt tokens or not: /metrics)
         self._unread: deque[tuple[Batch, object]] = deque()   # launched, tokens not read yet
         self.num_overlapped = 0         # steps launched before the previous one was read
@@ -241,6 +240,11 @@ class Engine:
                 into += finished
                 return finished
         return self.scheduler.take_finished()
+
+    def _step(self) -> Batch:
+        # (a method, not an attribute holding a bound method: that would be a reference cycle, and
+        # `del llm` would keep the KV pool on the GPU until the garbage collector happened to run)
+        return self._step_overlap() if self.overlap else self._step_plain()
 
     def _step_plain(self) -> Batch:
         with self.timer("schedule"):

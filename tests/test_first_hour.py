@@ -270,3 +270,23 @@ def test_the_readme_defaults_table_is_what_the_code_does():
         assert cli.build_parser().parse_args(argv).prefix_caching is True
         assert cli.build_parser().parse_args(argv + ["--no-prefix-caching"]).prefix_caching is False
     assert cli.build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).prefix_caching is False
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_del_llm_frees_the_engine_at_once(spec):
+    """`del llm; torch.cuda.empty_cache()` is how a notebook makes room for the next engine: the
+    engine (and its KV pool) must go when its last reference goes, not at the garbage collector's
+    next pass -- a reference cycle (a bound method stored on its own object) kept a notebook's fourth
+    engine at one KV block on the GPU."""
+    import gc
+    import weakref
+    kw = dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}) if spec else {}
+    gc.disable()
+    try:
+        llm = tiny_llm(**kw)
+        llm.generate(["ab ab ab", "hello"], SP)
+        engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.kv_cache)
+        del llm
+        assert engine() is None and pool() is None, "the engine outlived `del llm` (a reference cycle)"
+    finally:
+        gc.enable()

@@ -184,3 +184,25 @@ def test_prefix_caching_keeps_greedy_tokens(ckpt, hf_fp32, bf16_tol):
     assert all(o.num_cached_tokens >= 288 for o in on), [o.num_cached_tokens for o in on]
     compare_greedy("prefix cache on vs off", prompts, [o.token_ids for o in off], [o.token_ids for o in on],
                    hf_fp32, bf16_tol)
+
+
+def test_del_llm_gives_the_gpu_memory_back(ckpt):
+    """A notebook's `del llm; torch.cuda.empty_cache()` before the next engine: with CUDA graphs
+    captured and the overlap loop on, the last reference going must free the weights and the KV
+    pool at once (no reference cycle waiting for the garbage collector)."""
+    import gc
+    from pagedlab import SamplingParams
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        llm = make_llm(ckpt, "triton")
+        llm.generate([[5, 6, 7, 8] * 9, [9, 10]], SamplingParams(max_tokens=6, ignore_eos=True))
+        held = torch.cuda.memory_allocated() - before
+        assert llm.engine.runner.graphs is not None and held > 2**20
+        del llm
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+        assert left < 0.02 * held, f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB outlived `del llm`"
+    finally:
+        gc.enable()

@@ -192,4 +192,3 @@ def use(engine, speculator: Speculator | None) -> None:
         engine.runner.speculative = True     # (graphs were captured for 1 + k rows per sequence
                                              # only if the engine was built with speculative_config)
     engine.overlap = cfg.overlap and engine.runner.graphs is not None and not cfg.trace
-    engine._step = engine._step_overlap if engine.overlap else engine._step_plain
