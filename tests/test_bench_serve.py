@@ -36,7 +36,7 @@ def run(argv, capsys):
 
 
 def check_ordered(stats: dict):
-    assert stats["p50"] <= stats["p90"] <= stats["p99"]
+    assert 0 <= stats["min"] <= stats["p50"] <= stats["p90"] <= stats["p99"]
     assert stats["mean"] > 0
 
 
@@ -173,3 +173,4 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     for x in (r, off, off["first_pass"]):
         assert 1 <= x["prompt_steps"] <= 6 and x["decode_steps"] >= 1, x
     assert "served/offline" in out and "decode-only" in out
+    assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out

@@ -255,12 +255,13 @@ def client_library() -> str:
 # -- one rate ------------------------------------------------------------------------------------
 
 def pcts(xs, scale: float = 1e3) -> dict:
-    """mean, p50, p90, p99 (in ms by default) of the finite values of xs."""
+    """min, mean, p50, p90, p99 (in ms by default) of the finite values of xs."""
     xs = np.asarray([x for x in xs if math.isfinite(x)], dtype=np.float64) * scale
     if not len(xs):
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
+        return {"min": None, "mean": None, "p50": None, "p90": None, "p99": None}
     q = np.percentile(xs, [50, 90, 99])
-    return {"mean": float(xs.mean()), "p50": float(q[0]), "p90": float(q[1]), "p99": float(q[2])}
+    return {"min": float(xs.min()), "mean": float(xs.mean()), "p50": float(q[0]), "p90": float(q[1]),
+            "p99": float(q[2])}
 
 
 def summarize(rate: float, results: list[Result], duration_s: float, args) -> dict:
@@ -541,6 +542,11 @@ def main(argv=None) -> int:
                               if k != "engine_prompt_step_seconds") + kinds_text(r))
     if offline:
         print("offline median pass:" + kinds_text(offline))
+        # the first token of a burst: offline the queue holds every request at once; served, the
+        # first one has crossed the client's connections and the HTTP layer first (the way in)
+        print("TTFT min (the first answer of a burst): offline {:.1f} ms; served ".format(offline["ttft_ms"]["min"])
+              + ", ".join(f"rate {r['rate']}: {r['ttft_ms']['min']:.1f} ms" for r in results
+                          if r["ttft_ms"].get("min") is not None))
     if offline:
         later = ", ".join(f"{x:.0f}" for x in offline["pass_throughputs"][1:])
         print(f"offline (LLM.generate, the same {len(jobs)} requests at once, the median of passes 2.."
