@@ -109,8 +109,10 @@ def test_allocator_bugs(sol):
 
 
 def test_token_slot_bugs():
-    fails(checks.check_token_slot, lambda row, n, bs: row[n // bs] * bs, "expected", "Hint")
-    fails(checks.check_token_slot, lambda row, n, bs: n // bs * bs + n % bs, "expected")   # ignores the table
+    fails(checks.check_token_slot, lambda row, n, bs: row[n // bs] * bs, "expected", "add n % block_size")
+    fails(checks.check_token_slot, lambda row, n, bs: n // bs * bs + n % bs, "LOGICAL slot", "row[n // block_size]")
+    fails(checks.check_token_slot, lambda row, n, bs: row[n // bs] + n % bs, "block * block_size")
+    fails(checks.check_token_slot, lambda row, n, bs: n // bs * bs + row[n // bs], "physical block goes first")
 
 
 def test_schedule_step_bugs(sol):

@@ -127,9 +127,14 @@ def check_token_slot(fn, trials: int = 200, seed: int = 0):
         for n in sorted({0, length - 1, rng.randrange(length), min(bs, length - 1)}):
             got = chapter.call(fn, "token_slot", list(row), n, bs)
             if got != want[n]:
+                block, off = row[n // bs], n % bs
+                likely = {block * bs: f"the offset inside the block is missing: add n % block_size (= {off})",
+                          n: "that is the token's LOGICAL slot: look its block up in the table, row[n // block_size]",
+                          block + off: f"the block's first slot is block * block_size (= {block * bs}), not the block id",
+                          (n // bs) * bs + block: "the physical block goes first: row[n // block_size] * block_size"}
+                why = likely.get(got, f"token {n} is in logical block {n // bs} (physical {block}), row {off} inside it")
                 raise CheckFailed(f"token_slot(row={row}, n={n}, block_size={bs}) = {got}, expected {want[n]}.\n"
-                                  f"Hint: token {n} is in logical block {n // bs} (physical {row[n // bs]}), "
-                                  f"row {n % bs} inside it.")
+                                  f"Hint: {why}.")
     chapter.passed("token_slot", f"{trials} random block tables agree with pagedlab's gather_pages")
     return fn
 
