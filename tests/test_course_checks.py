@@ -781,7 +781,7 @@ def test_check_a_chapter_from_the_command_line(tmp_path):
                               timeout=120, env=env, cwd=tmp_path)
     r = run("check", "07", str(mine))
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "\u2713 Allocator" in r.stdout and "\u2717 token_slot" in r.stdout and "Hint: token" in r.stdout
+    assert "\u2713 Allocator" in r.stdout and "\u2717 token_slot" in r.stdout and "Hint: the offset inside the block is missing" in r.stdout
     mine.write_text("def schedule_step(state):\n    raise NotImplementedError\n")
     r = run("check", "10", str(mine))
     assert r.returncode == 1 and "defines no make_room" in r.stdout, r.stdout + r.stderr

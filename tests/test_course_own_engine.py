@@ -89,7 +89,7 @@ def test_forward_pieces_give_pagedlabs_tokens_and_a_bug_fails_the_check(sol):
     mine = LLM("random:tiny", **cfg, checkpoint=ref.checkpoint)
     assert own_engine.plug_forward(mine, **forward) == ["rms_norm", "rope", "attention"]
     got = _run(mine, prompts, sp)
-    own_engine.check_same(got, want, forward, rerun=lambda: pytest.fail("no rerun when equal"))
+    own_engine.check_same(got, want, rerun=lambda: pytest.fail("no rerun when equal"))
     assert mine.model.kernels.prefill_attention is not ref.model.kernels.prefill_attention
 
     def rope_backwards(x, pos, freqs):                                    # 03's planted bug: turns the wrong way
@@ -99,10 +99,20 @@ def test_forward_pieces_give_pagedlabs_tokens_and_a_bug_fails_the_check(sol):
     wrong = LLM("random:tiny", **cfg, checkpoint=ref.checkpoint)
     own_engine.plug_forward(wrong, **bad)
     got = _run(wrong, prompts, sp)
+    fw, kw = own_engine.course_twin(bad, decode_plugged=False)
+    assert {n: f.__name__ for n, f in fw.items()} == {n: n for n in forward} and kw == {}   # the course's, each
+    assert own_engine.course_twin(dict.fromkeys(forward), decode_plugged=False) is None
+
+    def twin():
+        e = LLM("random:tiny", **cfg, checkpoint=ref.checkpoint)
+        own_engine.plug_forward(e, **fw)
+        return _run(e, prompts, sp)
     with pytest.raises(CheckFailed, match="Plug one piece at a time"):
-        own_engine.check_same(got, want, bad, rerun=lambda: _run(mine, prompts, sp))
+        own_engine.check_same(got, want, rerun=twin)
+    with pytest.raises(CheckFailed, match="Plug one piece at a time"):
+        own_engine.check_same(got, want)
     # rounding, not a bug: the course's pieces give the learner's tokens exactly -> said, not failed
-    own_engine.check_same(got, want, bad, rerun=lambda: got)
+    own_engine.check_same(got, want, rerun=lambda: got)
     with pytest.raises(ValueError, match="scales by 1/sqrt"):
         mine.model.kernels.decode_attention(torch.zeros(1, 4, 16), *[torch.zeros(2, 16, 2, 16)] * 2,
                                             torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)

@@ -82,17 +82,30 @@ def chat_prompts(n: int) -> list[str]:
             for i in range(n)]
 
 
-def check_same(got, want, forward: dict, rerun) -> None:
+def course_twin(forward: dict, decode_plugged: bool):
+    """The engine a mismatch is judged by, as (forward pieces, LLM plug-ins): the course's solution
+    in place of each plugged piece that computes values (rms_norm, rope, attention, decode_one), and
+    pagedlab's own allocator and scheduler. None when no plugged piece computes values."""
+    from ..plugins import decode_kernel_from
+    from .checks import solution
+    if not decode_plugged and all(f is None for f in forward.values()):
+        return None
+    return ({n: f and solution(n) for n, f in forward.items()},
+            {"decode_kernel": decode_kernel_from(solution("decode_one"))} if decode_plugged else {})
+
+
+def check_same(got, want, rerun=None) -> None:
     """got, want: [(token ids, preemptions)] per request, from your engine and pagedlab's. Equal, or a
-    CheckFailed -- unless your forward pieces are plugged and `rerun()` (the same engine with the
-    course's solution in place of each of them) gives exactly your tokens: then your pieces compute
-    what the course's do, and both part from pagedlab's kernels where two tokens' scores nearly tie
-    (another order of additions rounds otherwise in the last bits); that is said, not failed."""
+    CheckFailed -- unless `rerun()` (course_twin's engine: the course's solutions for the pieces of
+    yours that compute, pagedlab's allocator and scheduler) gives exactly your tokens and preemptions:
+    then your pieces compute what the course's do, and both part from pagedlab's kernels where two
+    scores nearly tie (another order of additions rounds otherwise in the last bits); that is said,
+    not failed."""
     bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     if bad is None:
         return
     (a, pa), (b, pb) = got[bad], want[bad]
-    if any(f is not None for f in forward.values()) and rerun() == got:
+    if rerun is not None and rerun() == got:
         j = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         print(f"note: request {bad} parts from pagedlab's at its token {j} ({a[j:j + 3]} vs {b[j:j + 3]}), and "
               "the course's solutions give exactly your tokens: a near-tie of two scores, rounded another way "
