@@ -37,3 +37,28 @@ def test_verify_steps_replay_graphs_and_match_the_plain_engine(fused_rows, monke
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.num_spec_accepted for o in got) > 50
     assert max(replayed) > 6            # a replay held more rows than sequences: guesses in the graph
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+def test_prompt_tokens_replayed_in_the_decode_graphs_match_eager_prefill(spec, monkeypatch):
+    """ModelRunner.GRAPH_PREFILL_ROWS on CUDA: steps with a few prompt tokens (short prompts, the tail
+    after prefix-cache hits, chunks) replay the captured graphs, each prompt token a decode row; greedy
+    fp32 output equals the eager prefill's, plain and speculative, and the books end empty."""
+    from pagedlab.runner import ModelRunner
+    rnd = random.Random(1)
+    base = [rnd.randrange(3, 512) for _ in range(40)]
+    prompts = [(base[:rnd.randint(4, 40)] * 2)[:rnd.randint(5, 60)] for _ in range(10)] + [[7]]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, attention_backend="triton", block_size=4,
+              prefix_caching=True, max_num_batched_tokens=8, speculative_config=spec)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 0)
+    want = tiny_llm(**kw).generate(prompts, sp)
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 16)
+    llm = tiny_llm(**kw)
+    seen, rows = [], ModelRunner._prompt_rows
+    monkeypatch.setattr(ModelRunner, "_prompt_rows", lambda self, prefill: seen.append(len(prefill)) or
+                        rows(self, prefill))
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(seen) >= 3                  # prompt rows really replayed
+    assert llm.engine.scheduler.allocator.num_used == 0

@@ -409,3 +409,18 @@ def test_bench_spec_repeats_and_breakdown(tmp_path):
     assert res["breakdown"]["copy/on"]["kinds"]["verify"]["rows"] > 1
     assert "verify" not in res["breakdown"]["copy/off"]["kinds"]
     assert (tmp_path / "spec_bench.md").read_text().count("| copy | one_stream |") == 2
+
+
+def test_bench_spec_graph_prefill_variants(tmp_path):
+    """bench spec --graph-prefill 0,8: off and on once per value in one engine, each on-run's speed-up
+    against the off-run of its own value, the runner's own setting back after."""
+    from pagedlab.bench.spec import run
+    from pagedlab.runner import ModelRunner
+    res = run(["--small", "--workloads", "copy", "--modes", "one_stream", "--max-tokens", "8",
+               "--graph-prefill", "0,8", "--out", str(tmp_path)])
+    vs = res["runs"]["copy/one_stream"]["variants"]
+    assert list(vs) == ["off (graph prefill 0)", "on (graph prefill 0)", "off (graph prefill 8)", "on (graph prefill 8)"]
+    for v, x in vs.items():
+        assert x["against"] == v.replace("on", "off") and x["same_tokens"] == 1.0
+        assert x["speedup"] == pytest.approx(x["median"] / vs[x["against"]]["median"])
+    assert res["graph_prefill_rows"] == [0, 8] and ModelRunner.GRAPH_PREFILL_ROWS == 0

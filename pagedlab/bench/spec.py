@@ -15,9 +15,9 @@ non-speculative run's. JSON + a markdown table in --out.
 few hundred tokens), medians reported. --fused-rows MODES: the speculative runs once per mode of
 the few-row decode graphs (kernels/gemv.py fused_rows; each mode's graphs captured in the same
 engine, swapped between runs). --breakdown: one more instrumented run of each one-stream case,
-its steps split into prefill / plain decode / verify: host time of each phase (schedule with the
-proposer inside, launch, read, accept), GPU time (CUDA events around the launch) and the GPU's
-idle gap before each step.
+its steps split into prefill (eager; prefill_graph: replayed, --graph-prefill) / plain decode / verify:
+host time of each phase (schedule with the proposer inside, launch, read, accept), GPU time (CUDA
+events around the launch) and the GPU's idle gap before each step.
 
 --small: the tiny random model on CPU with few tokens (what the tests run).
 """
@@ -214,6 +214,7 @@ class StepProbe:
         return out
 
     def on_launch(self, orig, batch, *a, **kw):
+        graph_prefill = bool(batch.prefill) and self.engine.runner.replays(batch)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else None
         if ev:
             ev[0].record()
@@ -223,7 +224,8 @@ class StepProbe:
         dt = time.perf_counter() - t
         if ev:
             ev[1].record()
-        kind = "prefill" if batch.prefill else ("verify" if batch.guessed else "plain")
+        kind = ("prefill_graph" if graph_prefill else "prefill") if batch.prefill else \
+            ("verify" if batch.guessed else "plain")
         rec = dict(kind=kind, rows=rows, t=t, schedule_s=self.schedule_now_s, propose_s=self.propose_now_s,
                    launch_s=dt, read_s=0.0, accept_s=0.0, events=ev)
         self.steps.append(rec)
@@ -260,7 +262,7 @@ class StepProbe:
                 prev = ev
         out = {}
         phases = ("schedule_s", "propose_s", "launch_s", "read_s", "accept_s", "gpu_s", "gap_s")
-        for kind in ("prefill", "plain", "verify"):
+        for kind in ("prefill", "prefill_graph", "plain", "verify"):
             recs = [r for r in self.steps if r["kind"] == kind]
             if not recs:
                 continue
@@ -351,13 +353,13 @@ def kernel_times(rows=(1, 5, 8), modes=("fma",), reps: int = 20, models=None) ->
 
 
 def table(results: dict) -> list[str]:
-    lines = ["| workload | mode | spec | tokens/s (median) | speed-up | runs (tok/s) | steps | tokens/step/request "
-             "| kept / proposed | same tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | mode | variant | tokens/s (median) | speed-up (vs its off) | vs the first off | runs (tok/s) "
+             "| steps | tokens/step/request | kept / proposed | same tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in results["runs"].items():
         for v, x in r["variants"].items():
             m = x["median_run"]
             lines.append(f"| {r['workload']} | {r['mode']} | {v} | {x['median']:,.0f} | {x['speedup']:.2f}x | "
-                         f"{', '.join(f'{t:,.0f}' for t in x['tokens_per_s'])} | {m['steps']} | "
+                         f"{x['speedup_vs_first_off']:.2f}x | {', '.join(f'{t:,.0f}' for t in x['tokens_per_s'])} | {m['steps']} | "
                          f"{m['tokens_per_request_step']:.2f} | {m['accepted']} / {m['proposed']} | "
                          f"{x['same_tokens']:.0%} |")
     return lines
@@ -395,9 +397,11 @@ def run(argv=None) -> dict:
                    help="comma-separated kernels/gemv.py fused_rows modes of the few-row decode graphs the "
                         "speculative runs replay, each a run of its own: off (cuBLAS + separate small "
                         "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS)")
-    p.add_argument("--graph-prefill", type=int, default=None, metavar="N",
+    p.add_argument("--graph-prefill", default=None, metavar="N[,M...]",
                    help="steps with at most N prompt + decode rows replay the decode graphs "
-                        "(runner.ModelRunner.GRAPH_PREFILL_ROWS; every run, plain and speculative)")
+                        "(runner.ModelRunner.GRAPH_PREFILL_ROWS; every run, plain and speculative). "
+                        "Several values: every variant (off and on) once per value, in the same engine, "
+                        "each on-variant's speed-up against the off-run of its own value")
     p.add_argument("--breakdown", action="store_true",
                    help="one more instrumented one-stream run per case: host / GPU / idle time per step kind")
     p.add_argument("--replay", action="store_true",
@@ -432,24 +436,35 @@ def run(argv=None) -> dict:
                            adaptive=not args.no_adaptive)
     llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
               speculative_config=sc)
-    if args.graph_prefill is not None:
-        llm.engine.runner.GRAPH_PREFILL_ROWS = args.graph_prefill
+    runner = llm.engine.runner
+    gps = [int(x) for x in args.graph_prefill.split(",") if x] if args.graph_prefill else []
+    if any(g < 0 for g in gps):
+        raise SystemExit(f"--graph-prefill: {args.graph_prefill!r}: row counts are >= 0")
+    if len(gps) == 1:
+        runner.GRAPH_PREFILL_ROWS = gps[0]
+    default_gp = runner.GRAPH_PREFILL_ROWS
     spec = llm.engine.speculator
     own_mode = getattr(llm.engine.runner, "spec_fused_rows", None) or "off"    # (no graphs on a CPU)
     if not items:
         items = modes = [own_mode]
     graphs = variant_graphs(llm, set(modes) | {own_mode})
     base = graphs[own_mode]                              # what the runs without speculation replay
-    variants = {"off": (None, base, {})} | {f"on ({m})" if len(items) > 1 else "on": (spec, graphs[m.partition("@")[0]],
-                                                                                    adaptive_options(spec, m))
-                                              for m in items}
+    # name -> (speculator, graphs, AdaptiveK settings, GRAPH_PREFILL_ROWS, the off-variant it is against)
+    variants = {}
+    for gp in gps if len(gps) > 1 else [default_gp]:
+        tag = f" (graph prefill {gp})" if len(gps) > 1 else ""
+        variants["off" + tag] = (None, base, {}, gp, "off" + tag)
+        for m in items:
+            name = (f"on ({m})" if len(items) > 1 else "on") + tag
+            variants[name] = (spec, graphs[m.partition("@")[0]], adaptive_options(spec, m), gp, "off" + tag)
+    first_off = next(iter(variants))
     tok = llm.get_tokenizer() if real or model == "random:llama-3.2-1b" else None
     vocab = min(llm.engine.model.config.vocab_size, RANDOM_TOKEN_LIMIT)
     results = dict(command="python -m pagedlab bench spec " + " ".join(argv or []), model=model, dtype=dtype,
                    device=torch.cuda.get_device_name() if cuda else "CPU", speculative_config=sc.to_dict(),
                    max_tokens=max_tokens, cuda_graphs=llm.engine.runner.graphs is not None,
                    fuse_up_to=gemv.FUSE_UP_TO, fused_rows=items, fma_min_programs=gemv.FMA_MIN_PROGRAMS,
-                   graph_prefill_rows=llm.engine.runner.GRAPH_PREFILL_ROWS, repeats=args.repeats,
+                   graph_prefill_rows=gps if len(gps) > 1 else default_gp, repeats=args.repeats,
                    overlap=llm.engine.overlap, runs={})
     try:
         from pagedlab.bench.common import metadata
@@ -459,53 +474,64 @@ def run(argv=None) -> dict:
     out = out_dir(args.out)
     stem = "spec_bench" + ("" if real or args.small else "_random")
     params = SamplingParams(max_tokens=max_tokens)
-    for name in [w for w in args.workloads.split(",") if w]:
+    # one stream first (the cases the #25 targets name), then batched; a run cut short keeps what it has
+    cases = [(w, m) for m in [m for m in args.modes.split(",") if m] for w in [w for w in args.workloads.split(",") if w]]
+    for name, mode in cases:
         prompts = prompts_for(name, tok, real, vocab)
-        for mode in [m for m in args.modes.split(",") if m]:
-            batched = mode == "batched"
-            ps = prompts * args.copies if batched else prompts
-            for s, g, _ in variants.values():             # warm-up: compile, capture, fill caches
-                set_speculation(llm, s)
-                llm.engine.runner.graphs = g
-                run_once(llm, ps[:len(prompts)], SamplingParams(max_tokens=min(16, max_tokens)), real, batched)
-            runs = {v: [] for v in variants}
-            order = list(variants)
-            for i in range(max(1, args.repeats)):        # alternating: off, on..., then on..., off
-                for v in (order if i % 2 == 0 else order[::-1]):
-                    s, g, opts = variants[v]
-                    with adaptive_set(s, opts):
-                        runs[v].append(measure(llm, s, ps, params, real, batched, graphs=g))
-            ref = runs["off"][0]["token_ids"]
-            r = dict(workload=name, mode=mode, requests=len(ps), variants={})
-            off_median = statistics.median(x["tokens_per_s"] for x in runs["off"])
-            for v, xs in runs.items():
-                same = [sum(a == b for a, b in zip(ref, x["token_ids"])) / len(ref) for x in xs]
-                firsts = sorted({next((i for i, (u, w) in enumerate(zip(a, b)) if u != w), min(len(a), len(b)))
-                                 for x in xs for a, b in zip(ref, x["token_ids"]) if a != b})
-                for x in xs:
-                    x.pop("token_ids")
-                med = statistics.median(x["tokens_per_s"] for x in xs)
-                ratios = [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(xs, runs["off"])]
-                r["variants"][v] = dict(tokens_per_s=[round(x["tokens_per_s"], 1) for x in xs], median=med,
-                                        speedup=med / off_median, speedup_per_repeat=[round(q, 3) for q in ratios],
-                                        same_tokens=min(same), first_difference=firsts, median_run=median_run(xs),
-                                        runs=xs)
-                print(f"{name} {mode} {v}: median {med:,.0f} tok/s ({med / off_median:.2f}x; runs "
-                      f"{', '.join(f'{x:,.0f}' for x in r['variants'][v]['tokens_per_s'])}), kept "
-                      f"{r['variants'][v]['median_run']['accepted']}/{r['variants'][v]['median_run']['proposed']}, "
-                      f"same tokens {min(same):.0%}", flush=True)
-            first_on = next(v for v in variants if v != "off")
-            r["off"], r["on"] = r["variants"]["off"]["median_run"], r["variants"][first_on]["median_run"]
-            r["speedup"] = r["variants"][first_on]["speedup"]
-            r["same_tokens"] = r["variants"][first_on]["same_tokens"]
-            results["runs"][f"{name}/{mode}"] = r
-            if args.breakdown and not batched:
-                for v, (s, g, opts) in variants.items():
-                    with adaptive_set(s, opts):
-                        b = breakdown(llm, s, ps, params, real, graphs=g)
-                    results.setdefault("breakdown", {})[f"{name}/{v}"] = b
-                    print(f"breakdown {name} {v}: {b}", flush=True)
-            write_json(out / f"{stem}.json", results)      # (a run cut short keeps what it has)
+        batched = mode == "batched"
+        ps = prompts * args.copies if batched else prompts
+        for s, g, _, gp, _ in variants.values():      # warm-up: compile, capture, fill caches
+            set_speculation(llm, s)
+            runner.graphs, runner.GRAPH_PREFILL_ROWS = g, gp
+            run_once(llm, ps[:len(prompts)], SamplingParams(max_tokens=min(16, max_tokens)), real, batched)
+        runs = {v: [] for v in variants}
+        order = list(variants)
+        for i in range(max(1, args.repeats)):        # alternating: off, on..., then on..., off
+            for v in (order if i % 2 == 0 else order[::-1]):
+                s, g, opts, gp, _ = variants[v]
+                runner.GRAPH_PREFILL_ROWS = gp
+                with adaptive_set(s, opts):
+                    runs[v].append(measure(llm, s, ps, params, real, batched, graphs=g))
+        r = dict(workload=name, mode=mode, requests=len(ps), variants={})
+        medians = {v: statistics.median(x["tokens_per_s"] for x in xs) for v, xs in runs.items()}
+        ref_ids = {v: runs[v][0]["token_ids"] for v in runs}
+        for v, xs in runs.items():
+            against = variants[v][4]
+            ref = ref_ids[against]
+            same = [sum(a == b for a, b in zip(ref, x["token_ids"])) / len(ref) for x in xs]
+            firsts = sorted({next((i for i, (u, w) in enumerate(zip(a, b)) if u != w), min(len(a), len(b)))
+                             for x in xs for a, b in zip(ref, x["token_ids"]) if a != b})
+            same_first = min(sum(a == b for a, b in zip(ref_ids[first_off], x["token_ids"])) / len(ref) for x in xs)
+            med = medians[v]
+            ratios = [x["tokens_per_s"] / o["tokens_per_s"] for x, o in zip(xs, runs[against])]
+            r["variants"][v] = dict(tokens_per_s=[round(x["tokens_per_s"], 1) for x in xs], median=med,
+                                    speedup=med / medians[against], against=against,
+                                    speedup_vs_first_off=med / medians[first_off],
+                                    speedup_per_repeat=[round(q, 3) for q in ratios],
+                                    same_tokens=min(same), same_tokens_as_first_off=same_first,
+                                    first_difference=firsts, median_run=median_run(xs), runs=xs)
+            print(f"{name} {mode} {v}: median {med:,.0f} tok/s ({med / medians[against]:.2f}x vs {against}; "
+                  f"{med / medians[first_off]:.2f}x vs {first_off}; runs "
+                  f"{', '.join(f'{x:,.0f}' for x in r['variants'][v]['tokens_per_s'])}), kept "
+                  f"{r['variants'][v]['median_run']['accepted']}/{r['variants'][v]['median_run']['proposed']}, "
+                  f"same tokens {min(same):.0%}", flush=True)
+        for xs in runs.values():
+            for x in xs:
+                x.pop("token_ids")
+        first_on = next(v for v in variants if variants[v][0] is not None)
+        r["off"], r["on"] = r["variants"][first_off]["median_run"], r["variants"][first_on]["median_run"]
+        r["speedup"] = r["variants"][first_on]["speedup"]
+        r["same_tokens"] = r["variants"][first_on]["same_tokens"]
+        results["runs"][f"{name}/{mode}"] = r
+        if args.breakdown and not batched:
+            for v, (s, g, opts, gp, _) in variants.items():
+                runner.GRAPH_PREFILL_ROWS = gp
+                with adaptive_set(s, opts):
+                    b = breakdown(llm, s, ps, params, real, graphs=g)
+                results.setdefault("breakdown", {})[f"{name}/{v}"] = b
+                print(f"breakdown {name} {v}: {b}", flush=True)
+        write_json(out / f"{stem}.json", results)      # (a run cut short keeps what it has)
+    runner.GRAPH_PREFILL_ROWS = default_gp
     set_speculation(llm, spec)
     llm.engine.runner.graphs = base
     if args.replay and cuda:
