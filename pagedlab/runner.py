@@ -147,21 +147,28 @@ class ModelRunner:
     # Steps with prompt tokens of at most this many rows in all (and no guesses) replay the decode
     # graphs too: each prompt token is one more decode row (position p, length p + 1), as a verify
     # step's guesses are. An eager step of a few prompt tokens is launch-bound (H200, SmolLM2: 14-25
-    # ms for 12 tokens, docs/speculative.md); a replay is ~1 ms. 0: off (not yet measured on a GPU).
-    GRAPH_PREFILL_ROWS = 0
+    # ms for 12 tokens, docs/speculative.md); a replay is ~1 ms. None: GRAPH_PREFILL_AUTO rows where
+    # the graphs are captured (CUDA), 0 (off) where they run eagerly; 0: off.
+    GRAPH_PREFILL_ROWS = None
+    GRAPH_PREFILL_AUTO = 80
 
     def replays(self, batch) -> bool:
         """Is this step a CUDA-graph replay (decode only -- or a few prompt tokens, see
         GRAPH_PREFILL_ROWS -- at a captured size)?"""
+        if self.graphs is None:
+            return False
         rows = len(batch.decode)
         guesses = sum(len(r.spec_token_ids) for r in batch.decode) if self.speculative else 0
         if batch.prefill:
+            limit = self.GRAPH_PREFILL_ROWS
+            if limit is None:
+                limit = self.GRAPH_PREFILL_AUTO if self.graphs.capture else 0
             if guesses:
                 return False
             rows += sum(r.num_scheduled for r in batch.prefill)
-            if rows > self.GRAPH_PREFILL_ROWS:
+            if rows > limit:
                 return False
-        return self.graphs is not None and self.graphs.batch_size(rows + guesses) is not None
+        return self.graphs.batch_size(rows + guesses) is not None
 
     def launch(self, batch, after: Launch | None = None) -> Launch:
         """Start the step. `after`: the launch just before this one, not read yet; rows of this

@@ -38,3 +38,18 @@ def test_prompt_tokens_as_graph_rows_give_the_same_tokens(spec, monkeypatch):
     assert got[4].logprobs and [x.token_id for x in got[4].logprobs] == [x.token_id for x in want[4].logprobs]
     assert len(seen) >= 3                           # prompt rows replayed (hits, chunks, short prompts)
     assert llm.engine.scheduler.allocator.num_used == 0
+
+
+def test_the_default_replays_prompt_rows_only_where_graphs_are_captured(monkeypatch):
+    """GRAPH_PREFILL_ROWS None (the default): GRAPH_PREFILL_AUTO rows where the graphs are captured
+    (CUDA), off where the graph code path runs eagerly (CPU tests); an explicit number wins."""
+    from types import SimpleNamespace as NS
+    runner = tiny_llm(dtype="float32", max_num_seqs=16, cuda_graphs="eager").engine.runner
+    assert ModelRunner.GRAPH_PREFILL_ROWS is None
+    step = lambda n, decodes=0: NS(prefill=[NS(num_scheduled=n)], decode=[NS(spec_token_ids=[])] * decodes)  # noqa: E731
+    assert not runner.replays(step(4)) and runner.replays(NS(prefill=[], decode=[NS(spec_token_ids=[])] * 3))
+    monkeypatch.setattr(runner.graphs, "capture", True)          # (what a CUDA engine has)
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_AUTO", 10)
+    assert runner.replays(step(4, 6)) and not runner.replays(step(5, 6)) and not runner.replays(step(11))
+    monkeypatch.setattr(runner, "GRAPH_PREFILL_ROWS", 0)
+    assert not runner.replays(step(1))

@@ -437,12 +437,15 @@ def run(argv=None) -> dict:
     llm = LLM(model, device="cuda" if cuda else "cpu", dtype=dtype, max_num_seqs=slots, show_progress=False,
               speculative_config=sc)
     runner = llm.engine.runner
+    own_gp = runner.GRAPH_PREFILL_ROWS
     gps = [int(x) for x in args.graph_prefill.split(",") if x] if args.graph_prefill else []
     if any(g < 0 for g in gps):
         raise SystemExit(f"--graph-prefill: {args.graph_prefill!r}: row counts are >= 0")
     if len(gps) == 1:
         runner.GRAPH_PREFILL_ROWS = gps[0]
     default_gp = runner.GRAPH_PREFILL_ROWS
+    if default_gp is None:         # the runner's auto setting, as it resolves on this engine
+        default_gp = runner.GRAPH_PREFILL_AUTO if runner.graphs is not None and runner.graphs.capture else 0
     spec = llm.engine.speculator
     own_mode = getattr(llm.engine.runner, "spec_fused_rows", None) or "off"    # (no graphs on a CPU)
     if not items:
@@ -531,7 +534,7 @@ def run(argv=None) -> dict:
                 results.setdefault("breakdown", {})[f"{name}/{v}"] = b
                 print(f"breakdown {name} {v}: {b}", flush=True)
         write_json(out / f"{stem}.json", results)      # (a run cut short keeps what it has)
-    runner.GRAPH_PREFILL_ROWS = default_gp
+    runner.GRAPH_PREFILL_ROWS = own_gp
     set_speculation(llm, spec)
     llm.engine.runner.graphs = base
     if args.replay and cuda:
