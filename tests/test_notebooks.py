@@ -169,7 +169,7 @@ def test_notebook_runs_from_an_installed_wheel(tmp_path, monkeypatch):
     --target; notebook 07 copied alone to a folder outside the clone and run there with the answers:
     its check finds the solution, the exercise solutions run, its concept figure is embedded, and
     pagedlab comes from the install. Then the other course files a wheel must carry: every piece's
-    solution, the H200 tables of 06 and 13."""
+    solution (09's capstone finds all seven), the H200 tables of 06 and 13."""
     import shutil
     import subprocess
     import sys
@@ -206,6 +206,9 @@ def test_notebook_runs_from_an_installed_wheel(tmp_path, monkeypatch):
              "    assert str(course.pieces_path(f + '.py')).startswith(pagedlab.__path__[0]), f\n"
              "checks.show_solution('make_room'); prefix.show_solution('block_keys')\n"
              "assert course.load_h200_bench()['meta'] and parallel.load_parallel_bench()\n"
+             "import os; os.environ['PAGEDLAB_SOLUTIONS'] = '1'\n"      # 09's capstone: every piece's solution
+             "from pagedlab.course import own_engine\n"
+             "assert all(callable(f) for f, _ in own_engine.your_pieces(verbose=False).values())\n"
              "print('ok', pagedlab.__file__)\n")
     env = {k: v for k, v in os.environ.items() if k != "PAGEDLAB_SOLUTIONS"}
     r = subprocess.run([sys.executable, "-c", probe], cwd=outside, capture_output=True, text=True, timeout=120,
