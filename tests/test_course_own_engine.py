@@ -54,11 +54,24 @@ def test_tokenizer_loop_gives_pagedlabs_ids_and_a_bug_is_named(sol):
     for base in (llama3, ByteTokenizer(300, 1, [2])):
         tok, kind = own_engine.tokenizer_from(sol.bpe_piece, base)
         assert isinstance(tok, own_engine.YourTokenizer), kind
-        own_engine.check_tokenizer(tok, base, TEXTS)
+        assert own_engine.check_tokenizer(tok, base, TEXTS) is tok
         assert tok.chat(TEXTS[0]) == base.chat(TEXTS[0]) and tok.encode(TEXTS[-1]) == base.encode(TEXTS[-1])
     assert own_engine.tokenizer_from(None, llama3) == (llama3, "pagedlab's")
+    assert own_engine.check_tokenizer(llama3, llama3, TEXTS) is llama3
     with pytest.raises(CheckFailed, match="LOWEST-rank pair"):
         own_engine.check_tokenizer(own_engine.YourTokenizer(_highest_rank_first, llama3), llama3, TEXTS)
+
+
+
+def test_a_vocabulary_the_course_cannot_merge_falls_back_to_pagedlabs(monkeypatch, capsys):
+    """When the course's own loop differs from pagedlab's tokenizer too, the learner is not blamed."""
+    from pagedlab.course import checks
+    from pagedlab.tokenizer import ByteTokenizer
+    base = ByteTokenizer(300, 1, [2])
+    shifted = own_engine.YourTokenizer(lambda piece, ranks: [b + 1 for b in piece], base)
+    monkeypatch.setattr(checks, "solution", lambda name: (lambda piece, ranks: [0] * len(piece)))
+    assert own_engine.check_tokenizer(shifted, base, TEXTS) is base
+    assert "not BPE by rank alone" in capsys.readouterr().out
 
 
 @pytest.mark.slow
@@ -66,7 +79,7 @@ def test_tokenizer_loop_on_smollm2s_byte_level_vocabulary(sol, smollm2_llm):
     base = smollm2_llm.tokenizer
     tok, kind = own_engine.tokenizer_from(sol.bpe_piece, base)
     assert "byte-level BPE" in kind
-    own_engine.check_tokenizer(tok, base, TEXTS + own_engine.chat_prompts(12))
+    assert own_engine.check_tokenizer(tok, base, TEXTS + own_engine.chat_prompts(12)) is tok
     with pytest.raises(CheckFailed, match="LOWEST-rank pair"):
         own_engine.check_tokenizer(own_engine.YourTokenizer(_highest_rank_first, base), base, TEXTS)
 
