@@ -10,7 +10,7 @@ which. The pieces go where pagedlab's would:
     tokenizer_from(bpe_piece, llm.tokenizer)   01's merge loop inside an encode (and a chat template)
                                                for this model's vocabulary: Llama 3's ranks and
                                                pre-tokenizer, a byte-level BPE's (SmolLM2's) vocab,
-                                               or one id per byte (the random models)
+                                               or one id per byte (a byte tokenizer)
     plug_forward(llm, rms_norm, rope, attention)
                                                03's pieces as the model's math, around pagedlab's
                                                paged KV cache: RMSNorm before QKV, the MLP and the
@@ -35,9 +35,9 @@ from .chapter import CheckFailed, solutions_on
 # where each piece was written, and pagedlab's own in its place
 PIECES = {
     "bpe_piece": ("01", "pagedlab's tokenizer"),
-    "rms_norm": ("03", "pagedlab's rms_norm_torch"),
-    "rope": ("03", "pagedlab's rope_torch"),
-    "attention": ("03", "pagedlab's attention kernels"),
+    "rms_norm": ("03", "pagedlab's RMSNorm"),
+    "rope": ("03", "pagedlab's RoPE"),
+    "attention": ("03", "pagedlab's attention"),
     "decode_one": ("06", "pagedlab's decode kernel"),
     "Allocator": ("07", "pagedlab's BlockAllocator"),
     "make_room": ("10", "pagedlab's Scheduler.make_room"),
