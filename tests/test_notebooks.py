@@ -113,10 +113,18 @@ def test_notebook_runs(path, monkeypatch):
     """With PAGEDLAB_SOLUTIONS=1 (every check runs the course's solution, the exercises' solutions
     run too) each notebook runs top to bottom within its budget, and every check passes."""
     nb, client, budget = _client(path, monkeypatch, solutions=True)
-    waited = []                                  # the kernel's run-queue wait, read after each cell
-    client.on_cell_executed = lambda **_: waited.append(_run_queue_wait_s(client.km.provisioner.pid))
+    waited, ends = [], []                        # the kernel's run-queue wait, read after each cell
+    def executed(cell_index, **_):
+        waited.append(_run_queue_wait_s(client.km.provisioner.pid))
+        ends.append((time.perf_counter(), cell_index))
+    client.on_cell_executed = executed
     t0 = time.perf_counter()
-    client.execute()
+    try:
+        client.execute()
+    finally:                                     # where the time went (the slowest cells), pass or fail
+        starts = [t0] + [t for t, _ in ends[:-1]]
+        slow = sorted(((t - s, i) for s, (t, i) in zip(starts, ends)), reverse=True)[:4]
+        print(f"{path.name} slowest cells: " + ", ".join(f"{i}: {d:.1f} s" for d, i in slow))
     elapsed = time.perf_counter() - t0
     own = elapsed - waited[-1]
     print(f"{path.name}: {elapsed:.1f} s, of which {waited[-1]:.1f} s waiting for a CPU other processes held")
