@@ -101,11 +101,17 @@ class LlamaModel:
         h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
+            # prefetch=: the matrix the next kernel streams (the Triton launchers may pull it into
+            # L2 with extra programs at one token, kernels/gemv.py; the references ignore it)
+            nxt = self.layers[i + 1]["qkv"] if i + 1 < len(self.layers) else None
             q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
-                                        k_cache, v_cache, meta.slot_mapping, self.num_heads)
+                                        k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                        prefetch=layer["o"])
             o = attend(ops, q, k_cache, v_cache, meta, self.scale)
-            h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h)
-            h = self._linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"]), layer["down"], h)
+            h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h,
+                                      prefetch=layer["gate_up"])
+            h = self._linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"],
+                                                      prefetch=layer["down"]), layer["down"], h, prefetch=nxt)
         if logits_indices is not None:
             h = h[logits_indices]
         if self.tp is None:
@@ -114,12 +120,13 @@ class LlamaModel:
         return (logits, logits.argmax(dim=-1)) if greedy else logits
 
     # -- tensor parallelism: the three places where ranks talk -----------------------------------
-    def _linear_residual(self, x, w, h):
+    def _linear_residual(self, x, w, h, prefetch=None):
         """h + x W^T. Row-parallel under TP: each rank's partial product, summed by an all-reduce;
         the residual h is added by rank 0 only (the others add zeros), so it is counted once."""
         if self.tp is None:
-            return self.kernels.linear_residual(x, w, h)
-        y = self.kernels.linear_residual(x, w, h if self.tp.rank == 0 else torch.zeros_like(h))
+            return self.kernels.linear_residual(x, w, h, prefetch=prefetch)
+        y = self.kernels.linear_residual(x, w, h if self.tp.rank == 0 else torch.zeros_like(h),
+                                         prefetch=prefetch)
         self.tp.all_reduce(y)
         return y
 

@@ -352,3 +352,83 @@ def test_acc2d_one_token(config, dtype, fp8):
     qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, wr, pos, cos_sin.double(), kr, vr, slots, hq)
     for a, b in ((q, qr), (kc, kr), (vc, vr)):
         assert rel_err(a, b) < tol
+
+
+# PRELOAD (one token): the first weight tile loaded before the PDL wait -- the loop's first step
+# peeled, so the same sums in the same order. PREFETCH: extra programs that read another matrix
+# into L2 and change nothing else. Both against the plain launch BIT FOR BIT, and fp64.
+PRELOAD = {"split": dict(SPLIT, K_SPLIT=40, BLOCK_K=16, ACC2D=0),     # ragged last step
+           "acc2d_one_step": dict(SPLIT, BLOCK_R=4, K_SPLIT=16, BLOCK_K=16, ACC2D=1)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:1])
+@pytest.mark.parametrize("config,fp8", [("split", False), ("acc2d_one_step", True)])
+def test_preload_and_prefetch_one_token(config, dtype, fp8):
+    from pagedlab.quantization import quantize_weight
+    plain = PRELOAD[config]
+    tried = dict(plain, PRELOAD=1, PREFETCH=5, PREFETCH_MB=0)
+    gen = torch.Generator().manual_seed(43 + len(config) + fp8)
+    hidden, inter, hq, hkv, d, vocab = SHAPES[-1]
+
+    def weight(n, k):
+        w = rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
+        if not fp8:
+            return w, f64(w)
+        q = quantize_weight(w)
+        return q, q.q.double() * q.scale.double()[:, None]
+    x = rand(1, hidden, dtype=dtype, gen=gen, scale=2.0)
+    xi = rand(1, inter, dtype=dtype, gen=gen)
+    r = rand(1, hidden, dtype=dtype, gen=gen)
+    g = rand(hidden, dtype=dtype, gen=gen)
+    other, _ = weight(37, 29)                 # the "next" matrix: odd size, int8 words when fp8
+    tol = max(TOL[dtype], 2e-2) if fp8 else TOL[dtype]
+
+    def both(fn, ref):
+        a = fn(dict(config=plain, fp8_config=plain, fused=True))
+        b = fn(dict(config=tried, fp8_config=tried, fused=True, prefetch=other))
+        for u, v in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(u, v), "PRELOAD/PREFETCH changed the result"
+        assert rel_err(b[0] if isinstance(b, tuple) else b, ref) < tol
+    for xin in (x, xi):
+        w, wr = weight(hidden, xin.shape[1])
+        both(lambda kw: gemv.linear_residual_triton(xin, w, r, **kw),
+             gemv.linear_residual_torch(f64(xin), wr, f64(r)))
+    w, wr = weight(2 * inter, hidden)
+    both(lambda kw: gemv.norm_swiglu_triton(x, g, 1e-5, w, **kw),
+         gemv.norm_swiglu_torch(f64(x), f64(g), 1e-5, wr))
+    w, wr = weight((hq + 2 * hkv) * d, hidden)
+    cos_sin = rope_cos_sin(d, 500000.0, 64, device=DEV)
+    pos, slots = torch.tensor([37], device=DEV), torch.tensor([9], device=DEV)
+    k_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    v_cache = rand(4, 4, hkv, d, dtype=dtype, gen=gen)
+    outs = []
+    for kw in (dict(config=plain, fp8_config=plain), dict(config=tried, fp8_config=tried, prefetch=other)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append((gemv.norm_qkv_rope_store_triton(x, g, 1e-5, w, pos, cos_sin, kc, vc, slots, hq,
+                                                     fused=True, **kw), kc, vc))
+    kr, vr = f64(k_cache), f64(v_cache)
+    qr = gemv.norm_qkv_rope_store_torch(f64(x), f64(g), 1e-5, wr, pos, cos_sin.double(), kr, vr, slots, hq)
+    for a, b, ref in zip(outs[0], outs[1], (qr, kr, vr)):
+        assert torch.equal(a, b)
+        assert rel_err(b, ref) < tol
+
+
+def test_prefetch_programs_are_extra_row_blocks():
+    """The prefetch programs are whole row blocks added to the grid, no more than the words need,
+    and none for a launch of several tokens or a config without PREFETCH."""
+    x = torch.zeros(1, 64)
+    w = torch.zeros(4000, 64)                                                      # 256,000 words
+    cfg = dict(SPLIT, PREFETCH=64, PREFETCH_MB=0)
+    blocks, kw = gemv._prefetch_args(w, 2, cfg, 1, x.device)
+    assert blocks == 32 and kw["pf_n"] == 256000 and kw["PF_BLOCKS"] == 32      # 64 programs / 2 splits
+    blocks, kw = gemv._prefetch_args(w[:1000], 2, cfg, 1, x.device)             # 64,000 words: 16 programs
+    assert blocks == 8 and kw["pf_n"] == 64000
+    small = torch.zeros(3, 5, dtype=torch.float16)                                # 30 bytes: uint8 words
+    blocks, kw = gemv._prefetch_args(small, 2, cfg, 1, x.device)
+    assert blocks == 1 and kw["pf_n"] == 30 and kw["pf_ptr"].dtype == torch.uint8
+    assert gemv._prefetch_args(w, 2, cfg, 2, x.device) == (0, {})
+    assert gemv._prefetch_args(w, 2, SPLIT, 1, x.device) == (0, {})
+    assert gemv._prefetch_args(None, 2, cfg, 1, x.device) == (0, {})
+    capped = dict(cfg, PREFETCH_MB=1)
+    big = torch.zeros(1 << 19, dtype=torch.int32)                                  # 2 MB
+    assert gemv._prefetch_args(big, 1, capped, 1, x.device)[1]["pf_n"] == (1 << 20) // 4

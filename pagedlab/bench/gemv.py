@@ -321,6 +321,69 @@ def one_stream_probe(out, argv=None, before=None) -> dict:
     return res
 
 
+GEMV_KEYS = ("qkv", "swiglu", "residual", "down", "lm_head")
+
+
+def prefetch_variants(programs: int = 256) -> dict:
+    """Named gemv_config changes for `--one-stream --variants`: PRELOAD (the first weight tile
+    before the PDL wait) and PREFETCH (extra programs pull the next kernel's matrix into L2; the
+    model passes it: QKV -> O, O -> gate/up, gate/up -> down, down -> the next layer's QKV), each
+    set explicitly for every entry (bf16 and FP8) so a variant does not depend on the defaults."""
+    def cfg(preload=0, **pf):
+        out = {}
+        for key in GEMV_KEYS:
+            for k in (key, key + "_fp8"):
+                out[k] = dict(PRELOAD=preload, PREFETCH=0, PREFETCH_MB=0)
+                if key in pf:
+                    out[k].update(PREFETCH=programs, PREFETCH_MB=pf[key])
+        return out
+    return {
+        "off": cfg(),
+        "preload": cfg(1),
+        "preload+pf_o": cfg(1, qkv=0),
+        "preload+pf_chain": cfg(1, qkv=0, residual=16, swiglu=8, down=0),
+        "pf_o": cfg(0, qkv=0),
+        "preload+pf_o_gu": cfg(1, qkv=0, residual=16),
+    }
+
+
+def one_stream_variants(out, argv=None, budget_s: float = 200.0, order=None) -> dict:
+    """`--one-stream --variants`: the engine's one stream and batch-1 graph replay with each of
+    prefetch_variants() (bf16, then FP8), same process, until budget_s has passed; then the best
+    variant by graph time against "off" once more (one_stream_variants.json)."""
+    import time
+    t0 = time.time()
+    dev = torch.device("cuda")
+    variants = prefetch_variants()
+    res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
+                         copy_tb_s=round(copy_bandwidth_tbs(dev), 3)), variants=variants, engine=[])
+    print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    path = out / "one_stream_variants.json"
+    order = order or [("bf16", "off"), ("bf16", "preload+pf_chain"), ("bf16", "preload"),
+                      ("bf16", "preload+pf_o"), ("fp8", "off"), ("fp8", "preload+pf_chain"),
+                      ("fp8", "preload"), ("fp8", "preload+pf_o"), ("bf16", "pf_o"),
+                      ("bf16", "preload+pf_o_gu"), ("bf16", "off"), ("fp8", "off")]
+    tokens = {}
+    for weights, name in order:
+        if time.time() - t0 > budget_s:
+            print(f"budget: skipped {weights} {name}", flush=True)
+            continue
+        r = engine_one_stream(weights, variants[name], profile=False)
+        r["variant"] = name
+        r["wall_s"] = round(time.time() - t0, 1)
+        ids = r.pop("token_ids")
+        if weights not in tokens:
+            tokens[weights] = ids
+        r["same_tokens_as_first"] = sum(a == b for a, b in zip(ids, tokens[weights])) / max(1, len(ids))
+        print(f"  {weights} {name}: graph {r['graph_us']:.1f} us, one stream "
+              f"{r['one_stream']['tokens_per_s']:.1f} tok/s, same tokens {r['same_tokens_as_first']:.3f}, "
+              f"t={r['wall_s']} s", flush=True)
+        r.pop("gemv_config", None)
+        res["engine"].append(r)
+        write_json(path, res)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -334,10 +397,18 @@ def main(argv=None):
     ap.add_argument("--before", default=None,
                     help="with --one-stream: a JSON gemv_config; no sweep, the engine's one stream with it "
                          "against the defaults, same run (one_stream_confirm.json)")
+    ap.add_argument("--variants", action="store_true",
+                    help="with --one-stream: the engine with each PRELOAD / PREFETCH variant "
+                         "(prefetch_variants), same run (one_stream_variants.json)")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="with --variants: stop starting "
+                    "new engines after this many seconds")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
+    if args.one_stream and args.variants:
+        one_stream_variants(out, argv, args.budget_s)
+        return
     if args.one_stream:
         before = None
         if args.before:

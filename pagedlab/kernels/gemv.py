@@ -81,23 +81,23 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # --one-stream, docs/one_stream_probe.json) found faster tiles for each matrix ALONE, but in
     # the engine's graph they made the step slower (921.2 us against 896.7, same run,
     # docs/one_stream_confirm.json), so bf16 keeps these.
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0),
-    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0),
-    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0),
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tiles are wider in K (8 warps hold the fp32
     # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json);
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
-    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0),
-    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0),
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
@@ -134,19 +134,20 @@ def _qkv_composed(norm, rope, kv_store, x, norm_w, eps, w, positions, cos_sin, k
 
 
 def norm_qkv_rope_store_torch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
-                              slot_mapping, num_heads):
+                              slot_mapping, num_heads, prefetch=None):
     """x [T, H] (the residual stream) -> q [T, Hq, D]. Also writes each token's rotated K and its V
-    into the paged caches [num_blocks, block_size, Hkv, D] at slot_mapping [T]."""
+    into the paged caches [num_blocks, block_size, Hkv, D] at slot_mapping [T]. prefetch (the
+    next matrix, which the Triton launchers may pull into L2) is ignored here, as below."""
     return _qkv_composed(rms_norm_torch, rope_torch, kv_store_torch, x, norm_w, eps, w, positions,
                          cos_sin, k_cache, v_cache, slot_mapping, num_heads)
 
 
-def linear_residual_torch(x, w, residual):
+def linear_residual_torch(x, w, residual, prefetch=None):
     """residual + x @ w^T (one matmul with the add in its epilogue)."""
     return linear(x, w, residual)
 
 
-def norm_swiglu_torch(x, norm_w, eps, w_gate_up):
+def norm_swiglu_torch(x, norm_w, eps, w_gate_up, prefetch=None):
     """silu(n Wg^T) * (n Wu^T) with n = rmsnorm(x); w_gate_up = [Wg; Wu] stacked [2I, H]."""
     return silu_and_mul_torch(linear(rms_norm_torch(x, norm_w, eps), w_gate_up))
 
@@ -179,13 +180,17 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 ACC2D: tl.constexpr = 0):
+                 ACC2D: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
     acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
     PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x.
     ACC2D (one token only): keep the products in an [R, BLOCK_K] fp32 accumulator and sum over K
     once after the loop, instead of a cross-thread sum (shuffles, a barrier between warps) per
-    loop step -- the loop then only loads and multiplies-and-adds."""
+    loop step -- the loop then only loads and multiplies-and-adds.
+    PRELOAD (one token only): the first loop step's weight tile (and norm weights) is loaded
+    BEFORE the PDL wait -- a program launched early (pdl.py's `late`) has its first DRAM round
+    trip in flight while the kernel before drains. The same sums in the same order (the loop's
+    first step, peeled)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -194,12 +199,33 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
+    k_first = k_lo
+    if PRELOAD:
+        cols0 = k_lo + offs_k
+        kmask0 = cols0 < k_hi
+        wmask0 = rmask[:, None] & kmask0[None, :]
+        wa0 = tl.load(w_ptr + rows_a[:, None] * K + cols0[None, :], mask=wmask0, other=0.0)
+        wb0 = wa0
+        if PAIRED:
+            wb0 = tl.load(w_ptr + rows_b[:, None] * K + cols0[None, :], mask=wmask0, other=0.0)
+        g0 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if HAS_NORM:
+            g0 = tl.load(g_ptr + cols0, mask=kmask0, other=0.0).to(tl.float32)
+        k_first = k_lo + BLOCK_K
     pdl_start(PDL)
     if ACC2D:
         tile_a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         tile_b = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PRELOAD:
+            x = tl.load(x_ptr + cols0, mask=kmask0, other=0.0).to(tl.float32)
+            if HAS_NORM:
+                sq += x * x
+                x = x * g0
+            tile_a += wa0.to(tl.float32) * x[None, :]
+            if PAIRED:
+                tile_b += wb0.to(tl.float32) * x[None, :]
+        for k0 in range(k_first, k_hi, BLOCK_K):
             cols = k0 + offs_k
             kmask = cols < k_hi
             x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
@@ -218,7 +244,16 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
             acc_b += tl.sum(tile_b, axis=1)[None, :]
         sum_sq += tl.sum(sq, axis=0)
     else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        if PRELOAD:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols0[None, :],
+                        mask=mmask[:, None] & kmask0[None, :], other=0.0).to(tl.float32)
+            if HAS_NORM:
+                sum_sq += tl.sum(x * x, axis=1)
+                x = x * g0[None, :]
+            acc_a = _partial_dot(x, wa0, acc_a, BLOCK_M)
+            if PAIRED:
+                acc_b = _partial_dot(x, wb0, acc_b, BLOCK_M)
+        for k0 in range(k_first, k_hi, BLOCK_K):
             cols = k0 + offs_k
             kmask = cols < k_hi
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
@@ -280,7 +315,8 @@ def _stream_each_row(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
 
 @triton.jit
 def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr):
+                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   PF_BLOCKS: tl.constexpr = 0):
     """Split-K without a second launch: every program of a row block writes its partial sums to a
     workspace and bumps the block's counter (atomic, release: the partials are visible first).
     The program that bumps it last adds the partials up -- in split order, so the result does
@@ -288,7 +324,7 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
     alone goes on to the epilogue. Returns (is_last, acc_a, acc_b, sum_sq)."""
     TILE: tl.constexpr = BLOCK_M * BLOCK_R
     PER_SPLIT: tl.constexpr = 2 * TILE + BLOCK_M
-    block = tl.program_id(0)
+    block = tl.program_id(0) - PF_BLOCKS                # the first PF_BLOCKS prefetch (_prefetch_l2)
     base = ws_ptr + block.to(tl.int64) * (SPLITS * PER_SPLIT)
     offs_m = tl.arange(0, BLOCK_M)
     tile = offs_m[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
@@ -317,7 +353,8 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
 def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K, k_split, eps,
               ws_ptr, cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, HAS_SCALE: tl.constexpr,
               SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
+              PRELOAD: tl.constexpr = 0, PF_BLOCKS: tl.constexpr = 0):
     """What every kernel below starts with: this program's partial dot products (_stream_rows),
     the split-K sum (_gather_splits), the FP8 weights' per-row scales (HAS_SCALE: w holds fp8
     codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
@@ -329,10 +366,10 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
     else:
         acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
                                             k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
-                                            ACC2D)
+                                            ACC2D, PRELOAD)
     if SPLITS > 1:
         last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
-                                                    SPLITS, BLOCK_M, BLOCK_R)
+                                                    SPLITS, BLOCK_M, BLOCK_R, PF_BLOCKS)
     else:
         last = True
     if HAS_SCALE:
@@ -347,18 +384,46 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
 
 
 @triton.jit
+def _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS: tl.constexpr, PF_BLOCK: tl.constexpr):
+    """An extra program of a launch (the first PF_BLOCKS row blocks of its grid, so the first to
+    start): read its share of
+    the first pf_n words of another weight -- the one the NEXT kernel streams -- so that it is in
+    L2 when that kernel runs (evict_last: kept over streaming data). It waits for nothing (no PDL
+    wait: weights never depend on an earlier kernel), so it runs while the launch's own programs
+    wait, stream and reduce, and while the latency-bound kernel after (decode attention) runs.
+    The words are summed into sink (one int32 per program) only so that the loads are kept."""
+    n_progs = PF_BLOCKS * tl.num_programs(1)
+    idx = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    chunk = tl.cdiv(tl.cdiv(pf_n, n_progs), PF_BLOCK) * PF_BLOCK
+    lo = idx * chunk
+    hi = tl.minimum(lo + chunk, pf_n)
+    offs = tl.arange(0, PF_BLOCK)
+    acc = tl.zeros([PF_BLOCK], dtype=tl.int32)
+    for s in range(lo, hi, PF_BLOCK):
+        acc += tl.load(pf_ptr + s + offs, mask=s + offs < hi, other=0, eviction_policy="evict_last")
+    tl.store(sink_ptr + idx, tl.sum(acc, axis=0))
+
+
+@triton.jit
 def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr, cnt_ptr, M, N, K,
                    k_split, eps, stride_x, stride_r, stride_o, HAS_NORM: tl.constexpr,
                    HAS_RESIDUAL: tl.constexpr, ARGMAX: tl.constexpr, HAS_SCALE: tl.constexpr,
                    SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   IDX64: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+                   IDX64: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
+                   PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
+                   PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
+    if PF_BLOCKS > 0:
+        if tl.program_id(0) < PF_BLOCKS:
+            _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
+            return
+    block = tl.program_id(0) - PF_BLOCKS
+    rows = block * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < N
     w_rows = rows.to(tl.int64) if IDX64 else rows
     last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, w_rows, w_rows, rmask, M, K, k_split,
                              eps, ws_ptr, cnt_ptr, HAS_NORM, False, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                             BLOCK_K, PDL, ACC2D)
+                             BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
@@ -393,12 +458,17 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                   ACC2D: tl.constexpr = 0):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)       # gate rows; up = rows + INTER
+                   ACC2D: tl.constexpr = 0, PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0,
+                   sink_ptr=None, PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
+    if PF_BLOCKS > 0:
+        if tl.program_id(0) < PF_BLOCKS:
+            _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
+            return
+    rows = (tl.program_id(0) - PF_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)     # gate rows; up = + INTER
     rmask = rows < INTER
     last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + INTER, rmask, M, K,
                                k_split, eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M,
-                               BLOCK_R, BLOCK_K, PDL, ACC2D)
+                               BLOCK_R, BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
     if last:
         out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
@@ -411,18 +481,25 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
                            slot_ptr, ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
+                           PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
+                           PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
+    if PF_BLOCKS > 0:
+        if tl.program_id(0) < PF_BLOCKS:
+            _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
+            return
     HALF: tl.constexpr = D // 2
     PER_HEAD: tl.constexpr = (HALF + BLOCK_R - 1) // BLOCK_R
-    head = tl.program_id(0) // PER_HEAD
-    i = (tl.program_id(0) % PER_HEAD) * BLOCK_R + tl.arange(0, BLOCK_R)
+    block = tl.program_id(0) - PF_BLOCKS
+    head = block // PER_HEAD
+    i = (block % PER_HEAD) * BLOCK_R + tl.arange(0, BLOCK_R)
     imask = i < HALF
     rows = head * D + i
     last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + HALF, imask, M, K, k_split,
                            eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                           BLOCK_K, PDL, ACC2D)
+                           BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -456,10 +533,36 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
 _WORKSPACE: dict = {}
 
 
-def _plan(x, k, row_blocks, cfg, pdl):
+def _prefetch_args(prefetch, splits, cfg, block_m, device):
+    """Kernel arguments of the L2 prefetch programs (_prefetch_l2) of a one-token launch: the
+    first PREFETCH_MB (0: all) of `prefetch` (a weight or an FP8Weight: the matrix the next kernel
+    streams), read by about cfg["PREFETCH"] extra programs, whole row blocks of the grid (no more
+    than the words need). None or a config without PREFETCH: none."""
+    programs = cfg.get("PREFETCH", 0)
+    if prefetch is None or not programs or block_m != 1:
+        return 0, {}
+    words, _ = _codes_scale(prefetch)
+    words = words.reshape(-1)
+    words = words.view(torch.int32) if words.numel() * words.element_size() % 4 == 0 else words.view(torch.uint8)
+    cap = cfg.get("PREFETCH_MB", 0)
+    n = words.numel() if not cap else min(words.numel(), (int(cap) << 20) // words.element_size())
+    programs = min(programs, triton.cdiv(n, PF_BLOCK))
+    blocks = triton.cdiv(programs, splits)
+    key = ("sink", device, blocks * splits)
+    if key not in _WORKSPACE:
+        _WORKSPACE[key] = torch.empty(blocks * splits, dtype=torch.int32, device=device)
+    return blocks, dict(pf_ptr=words, pf_n=n, sink_ptr=_WORKSPACE[key], PF_BLOCKS=blocks, PF_BLOCK=PF_BLOCK)
+
+
+# Words (int32) each prefetch program reads per loop step.
+PF_BLOCK = 4096
+
+
+def _plan(x, k, row_blocks, cfg, pdl, prefetch=None):
     """(grid, kernel keyword arguments, workspace, counters, k_split) for one launch. The
     split-K workspace and the counters (zero between launches) are allocated once per shape and
-    reused, so the launch can live in a CUDA graph."""
+    reused, so the launch can live in a CUDA graph. prefetch: a weight to pull into L2 with
+    extra programs (cfg's PREFETCH, one token only; _prefetch_args)."""
     block_m = triton.next_power_of_2(x.shape[0])
     block_r = cfg["BLOCK_R"]
     block_k = min(cfg["BLOCK_K"], triton.next_power_of_2(k))
@@ -486,11 +589,13 @@ def _plan(x, k, row_blocks, cfg, pdl):
                 torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
         ws, cnt = _WORKSPACE[key]
     flag = pdl_flag(x.device, pdl)
+    pf_blocks, pf_kwargs = _prefetch_args(prefetch, splits, cfg, block_m, x.device)
     kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
                   ACC2D=int(bool(cfg.get("ACC2D", 0)) and block_m == 1),
+                  PRELOAD=int(bool(cfg.get("PRELOAD", 0)) and block_m == 1),
                   num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], x.device),
-                  **launch_options(flag))
-    return (row_blocks, splits), kwargs, ws, cnt, k_split
+                  **pf_kwargs, **launch_options(flag))
+    return (row_blocks + pf_blocks, splits), kwargs, ws, cnt, k_split
 
 
 def _rows2d(x):
@@ -543,11 +648,13 @@ def _use_fused(x, fused, lm_head: bool = False) -> bool:
 
 def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
                                slot_mapping, num_heads, config=GEMV_CONFIG["qkv"], fused=None,
-                               pdl=None, fp8_config=GEMV_CONFIG["qkv_fp8"]):
+                               pdl=None, fp8_config=GEMV_CONFIG["qkv_fp8"], prefetch=None):
     """Same contract as norm_qkv_rope_store_torch: one launch for up to MAX_ROWS tokens.
     config: launch parameters (an entry of GEMV_CONFIG); fused: None = the fused kernel up to
     FUSE_UP_TO tokens, True/False forces a path; pdl: the PDL mode (pdl.py, None = default);
-    fp8_config: the launch parameters used instead of `config` when w is an FP8Weight."""
+    fp8_config: the launch parameters used instead of `config` when w is an FP8Weight;
+    prefetch: the weight the next kernel streams, pulled into L2 by extra programs at one token
+    where the config's PREFETCH asks for them (the result does not depend on it)."""
     if not _use_fused(x, fused):
         return _qkv_composed(rms_norm_triton, rope_triton, kv_store_triton, x, norm_w, eps, w,
                              positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
@@ -560,7 +667,7 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     x = _rows2d(x)
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(
-        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl)
+        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl, prefetch)
     _qkv_rope_store_kernel[grid](x, norm_w, w, scale if scale is not None else w, q, k_cache, v_cache,
                                  positions, cos_sin, slot_mapping, ws, cnt, t, k, k_split, eps,
                                  x.stride(0), HQ=num_heads, HKV=hkv, D=d,
@@ -569,7 +676,8 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
 
 
 def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None,
-                           fp8_config=GEMV_CONFIG["residual_fp8"], down_config=None, down_fp8_config=None):
+                           fp8_config=GEMV_CONFIG["residual_fp8"], down_config=None, down_fp8_config=None,
+                           prefetch=None):
     """Same contract as linear_residual_torch (config, fused, pdl: as norm_qkv_rope_store_triton).
     down_config / down_fp8_config: used instead of config / fp8_config for a matrix wider than
     tall (K > N: the MLP's down projection), where given (select_kernels gives GEMV_CONFIG's
@@ -581,7 +689,7 @@ def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused
         config = down_config or config
         fp8_config = down_fp8_config or fp8_config
     config = fp8_config if fp8 else config
-    return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl)
+    return _linear(x, None, 0.0, w, residual, residual.dtype, config, pdl, prefetch=prefetch)
 
 
 def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=None, greedy=False,
@@ -599,7 +707,7 @@ def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=
 ARGMAX_MERGE_WARPS = 4
 
 
-def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
+def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False, prefetch=None):
     t, k = x.shape
     n = w.shape[0]
     w, scale = _codes_scale(w)
@@ -608,7 +716,8 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
     x = _rows2d(x)
     out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     r = _rows2d(residual) if residual is not None else out
-    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg, pdl)
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg, pdl,
+                                       None if greedy else prefetch)
     best = torch.empty((2, t, grid[0]), dtype=torch.float32, device=x.device) if greedy else out
     _linear_kernel[grid](
         x, norm_w if norm_w is not None else w, w, scale if scale is not None else w, r, out, best, ws,
@@ -625,7 +734,7 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False):
 
 
 def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], fused=None,
-                       pdl=None, fp8_config=GEMV_CONFIG["swiglu_fp8"]):
+                       pdl=None, fp8_config=GEMV_CONFIG["swiglu_fp8"], prefetch=None):
     """Same contract as norm_swiglu_torch (config, fused, pdl: as norm_qkv_rope_store_triton)."""
     if not _use_fused(x, fused):
         return silu_and_mul_triton(linear(rms_norm_triton(x, norm_w, eps), w_gate_up))
@@ -636,7 +745,7 @@ def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], 
     assert w_gate_up.is_contiguous()
     x = _rows2d(x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl)
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl, prefetch)
     _swiglu_kernel[grid](x, norm_w, w_gate_up, scale if scale is not None else w_gate_up, out, ws, cnt,
                          t, inter, k, k_split, eps, x.stride(0), out.stride(0),
                          HAS_SCALE=scale is not None, **kw)
