@@ -72,7 +72,10 @@ _FUSED_ROWS = [False]
 
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
-# columns per loop step, warps, software-pipeline stages.
+# columns per loop step, warps, software-pipeline stages. At one token only: ACC2D (sum over K
+# once per program), PRELOAD (the first weight tile loaded before the PDL wait), PREFETCH
+# (about this many extra programs read the NEXT kernel's matrix into L2 -- the one the model
+# passes as `prefetch=` -- at most PREFETCH_MB of it, 0 = all; see _prefetch_l2).
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
