@@ -35,9 +35,9 @@ def test_silu_and_mul(dtype, tol, t, inter):
         assert ((out.double() - ref).norm() / ref.norm()).item() < tol
 
 
-def test_one_stream_with_preload_and_prefetch_gives_the_same_tokens():
+def test_one_stream_with_prefetch_gives_the_same_tokens():
     """One stream (every decode step one token: the fused GEMV kernels), with the model passing
-    each kernel the next matrix to prefetch: PRELOAD and PREFETCH on everywhere (K split in two)
+    each kernel the next matrix to prefetch: PREFETCH on in every launch (K split in two)
     give the torch backend's tokens. (Bit-for-bit equality with them off: tests/test_gemv.py.)"""
     from pagedlab.bench.gemv import prefetch_variants
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -46,6 +46,6 @@ def test_one_stream_with_preload_and_prefetch_gives_the_same_tokens():
     ref = tiny_llm(attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids
     tiles = dict(BLOCK_R=16, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=1)
     change = {k: dict(v, **tiles, PREFETCH=2 if v["PREFETCH"] else 0)
-              for k, v in prefetch_variants()["preload+pf_chain"].items()}
+              for k, v in prefetch_variants()["pf_chain"].items()}
     got = tiny_llm(attention_backend="triton", kernel_options=dict(gemv_config=change), **kw).generate(prompt, sp)
     assert got[0].token_ids == ref

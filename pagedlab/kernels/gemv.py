@@ -73,9 +73,9 @@ _FUSED_ROWS = [False]
 # Launch parameters per kernel: BLOCK_R output rows (row pairs for qkv/swiglu) per program,
 # K_SPLIT columns of K per program (split-K: K / K_SPLIT programs share a row block), BLOCK_K
 # columns per loop step, warps, software-pipeline stages. At one token only: ACC2D (sum over K
-# once per program), PRELOAD (the first weight tile loaded before the PDL wait), PREFETCH
-# (about this many extra programs read the NEXT kernel's matrix into L2 -- the one the model
-# passes as `prefetch=` -- at most PREFETCH_MB of it, 0 = all; see _prefetch_l2).
+# once per program), PREFETCH (about this many extra programs read the NEXT kernel's matrix
+# into L2 -- the one the model passes as `prefetch=` -- at most PREFETCH_MB of it, 0 = all;
+# see _prefetch_l2).
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
@@ -83,24 +83,27 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # bf16: tuned 2026-11-29 (docs/engine.md). The one-token sweep of 2026-12-02 (bench gemv
     # --one-stream, docs/one_stream_probe.json) found faster tiles for each matrix ALONE, but in
     # the engine's graph they made the step slower (921.2 us against 896.7, same run,
-    # docs/one_stream_confirm.json), so bf16 keeps these.
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    # docs/one_stream_confirm.json), so bf16 keeps these. QKV's launch prefetches the O
+    # projection into L2 (PREFETCH): graph replay 891.8 us against 901.5 / 900.5 without, same
+    # run, same tokens (2026-12-02, docs/one_stream_variants.json). Prefetching in the other
+    # launches too was measured only beside a change since dropped (docs/kernels.md).
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tiles are wider in K (8 warps hold the fp32
     # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json);
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PRELOAD=0, PREFETCH=0, PREFETCH_MB=0),
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0),
+    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
@@ -183,17 +186,13 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 ACC2D: tl.constexpr = 0, PRELOAD: tl.constexpr = 0):
+                 ACC2D: tl.constexpr = 0):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
     acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
     PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x.
     ACC2D (one token only): keep the products in an [R, BLOCK_K] fp32 accumulator and sum over K
     once after the loop, instead of a cross-thread sum (shuffles, a barrier between warps) per
-    loop step -- the loop then only loads and multiplies-and-adds.
-    PRELOAD (one token only): the first loop step's weight tile (and norm weights) is loaded
-    BEFORE the PDL wait -- a program launched early (pdl.py's `late`) has its first DRAM round
-    trip in flight while the kernel before drains. The same sums in the same order (the loop's
-    first step, peeled)."""
+    loop step -- the loop then only loads and multiplies-and-adds."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -202,33 +201,12 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
     sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_split
     k_hi = tl.minimum(k_lo + k_split, K)
-    k_first = k_lo
-    if PRELOAD:
-        cols0 = k_lo + offs_k
-        kmask0 = cols0 < k_hi
-        wmask0 = rmask[:, None] & kmask0[None, :]
-        wa0 = tl.load(w_ptr + rows_a[:, None] * K + cols0[None, :], mask=wmask0, other=0.0)
-        wb0 = wa0
-        if PAIRED:
-            wb0 = tl.load(w_ptr + rows_b[:, None] * K + cols0[None, :], mask=wmask0, other=0.0)
-        g0 = tl.zeros([BLOCK_K], dtype=tl.float32)
-        if HAS_NORM:
-            g0 = tl.load(g_ptr + cols0, mask=kmask0, other=0.0).to(tl.float32)
-        k_first = k_lo + BLOCK_K
     pdl_start(PDL)
     if ACC2D:
         tile_a = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         tile_b = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
         sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        if PRELOAD:
-            x = tl.load(x_ptr + cols0, mask=kmask0, other=0.0).to(tl.float32)
-            if HAS_NORM:
-                sq += x * x
-                x = x * g0
-            tile_a += wa0.to(tl.float32) * x[None, :]
-            if PAIRED:
-                tile_b += wb0.to(tl.float32) * x[None, :]
-        for k0 in range(k_first, k_hi, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             kmask = cols < k_hi
             x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
@@ -247,16 +225,7 @@ def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_s
             acc_b += tl.sum(tile_b, axis=1)[None, :]
         sum_sq += tl.sum(sq, axis=0)
     else:
-        if PRELOAD:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols0[None, :],
-                        mask=mmask[:, None] & kmask0[None, :], other=0.0).to(tl.float32)
-            if HAS_NORM:
-                sum_sq += tl.sum(x * x, axis=1)
-                x = x * g0[None, :]
-            acc_a = _partial_dot(x, wa0, acc_a, BLOCK_M)
-            if PAIRED:
-                acc_b = _partial_dot(x, wb0, acc_b, BLOCK_M)
-        for k0 in range(k_first, k_hi, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             cols = k0 + offs_k
             kmask = cols < k_hi
             x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
@@ -357,7 +326,7 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
               ws_ptr, cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, HAS_SCALE: tl.constexpr,
               SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
-              PRELOAD: tl.constexpr = 0, PF_BLOCKS: tl.constexpr = 0):
+              PF_BLOCKS: tl.constexpr = 0):
     """What every kernel below starts with: this program's partial dot products (_stream_rows),
     the split-K sum (_gather_splits), the FP8 weights' per-row scales (HAS_SCALE: w holds fp8
     codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
@@ -369,7 +338,7 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
     else:
         acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
                                             k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
-                                            ACC2D, PRELOAD)
+                                            ACC2D)
     if SPLITS > 1:
         last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
                                                     SPLITS, BLOCK_M, BLOCK_R, PF_BLOCKS)
@@ -389,12 +358,12 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
 @triton.jit
 def _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS: tl.constexpr, PF_BLOCK: tl.constexpr):
     """An extra program of a launch (the first PF_BLOCKS row blocks of its grid, so the first to
-    start): read its share of
-    the first pf_n words of another weight -- the one the NEXT kernel streams -- so that it is in
-    L2 when that kernel runs (evict_last: kept over streaming data). It waits for nothing (no PDL
-    wait: weights never depend on an earlier kernel), so it runs while the launch's own programs
-    wait, stream and reduce, and while the latency-bound kernel after (decode attention) runs.
-    The words are summed into sink (one int32 per program) only so that the loads are kept."""
+    start): read its share of the first pf_n words of another weight -- the one the NEXT kernel
+    streams -- so that it is in L2 when that kernel runs (evict_last: kept over streaming data).
+    It waits for nothing (no PDL wait: weights never depend on an earlier kernel), so it runs
+    while the launch's own programs wait, stream and reduce. (The next kernel's PDL wait still
+    waits for it: it is part of this launch.) The words are summed into sink (one int32 per
+    program) only so that the loads are kept."""
     n_progs = PF_BLOCKS * tl.num_programs(1)
     idx = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     chunk = tl.cdiv(tl.cdiv(pf_n, n_progs), PF_BLOCK) * PF_BLOCK
@@ -414,9 +383,9 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
                    SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    IDX64: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
-                   PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
-                   PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
-    if PF_BLOCKS > 0:
+                   pf_ptr=None, pf_n=0, sink_ptr=None, PF_BLOCKS: tl.constexpr = 0,
+                   PF_BLOCK: tl.constexpr = 1024):
+    if PF_BLOCKS > 0:                        # the first PF_BLOCKS row blocks: L2 prefetch only
         if tl.program_id(0) < PF_BLOCKS:
             _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
             return
@@ -426,7 +395,7 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
     w_rows = rows.to(tl.int64) if IDX64 else rows
     last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, w_rows, w_rows, rmask, M, K, k_split,
                              eps, ws_ptr, cnt_ptr, HAS_NORM, False, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                             BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
+                             BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
@@ -461,8 +430,8 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl
 def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTER, K, k_split, eps,
                    stride_x, stride_o, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                   ACC2D: tl.constexpr = 0, PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0,
-                   sink_ptr=None, PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
+                   ACC2D: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
+                   PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
     if PF_BLOCKS > 0:
         if tl.program_id(0) < PF_BLOCKS:
             _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
@@ -471,7 +440,7 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTE
     rmask = rows < INTER
     last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + INTER, rmask, M, K,
                                k_split, eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M,
-                               BLOCK_R, BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
+                               BLOCK_R, BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
@@ -485,8 +454,8 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
-                           PRELOAD: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
-                           PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
+                           pf_ptr=None, pf_n=0, sink_ptr=None, PF_BLOCKS: tl.constexpr = 0,
+                           PF_BLOCK: tl.constexpr = 1024):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     if PF_BLOCKS > 0:
@@ -502,7 +471,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
     rows = head * D + i
     last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + HALF, imask, M, K, k_split,
                            eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                           BLOCK_K, PDL, ACC2D, PRELOAD, PF_BLOCKS)
+                           BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -595,7 +564,6 @@ def _plan(x, k, row_blocks, cfg, pdl, prefetch=None):
     pf_blocks, pf_kwargs = _prefetch_args(prefetch, splits, cfg, block_m, x.device)
     kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
                   ACC2D=int(bool(cfg.get("ACC2D", 0)) and block_m == 1),
-                  PRELOAD=int(bool(cfg.get("PRELOAD", 0)) and block_m == 1),
                   num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], x.device),
                   **pf_kwargs, **launch_options(flag))
     return (row_blocks + pf_blocks, splits), kwargs, ws, cnt, k_split
