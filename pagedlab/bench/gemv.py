@@ -19,6 +19,9 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
                                                   # the engine's one stream (and graph replay) with
                                                   # CONFIG against the defaults, same run; decode
                                                   # attention at batch 1 (one_stream_confirm.json)
+    python -m pagedlab bench gemv --one-stream --variants [--budget-s S]
+                                                  # the engine's one stream with each L2 prefetch
+                                                  # variant, same run (one_stream_variants.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
