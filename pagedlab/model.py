@@ -24,6 +24,9 @@ kernel functions take an FP8Weight wherever they take a weight.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from .attention import AttentionMetadata, attend
@@ -32,6 +35,21 @@ from .kernels import select_kernels
 from .kernels.rope import rope_cos_sin
 from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
 from .quantization import FP8Weight, check_quantization, quantize_weight
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_prefetch(fn) -> bool:
+    """Does this kernel function take `prefetch=` (pagedlab's own do; a namespace of other
+    functions, such as the course's learner pieces, may not)?"""
+    try:
+        return "prefetch" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _prefetch(fn, w) -> dict:
+    """prefetch=w for fn where it takes it: the matrix the kernel after fn streams."""
+    return {"prefetch": w} if _takes_prefetch(fn) else {}
 
 
 class LlamaModel:
@@ -106,12 +124,13 @@ class LlamaModel:
             nxt = self.layers[i + 1]["qkv"] if i + 1 < len(self.layers) else None
             q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
                                         k_cache, v_cache, meta.slot_mapping, self.num_heads,
-                                        prefetch=layer["o"])
+                                        **_prefetch(ops.norm_qkv_rope_store, layer["o"]))
             o = attend(ops, q, k_cache, v_cache, meta, self.scale)
             h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h,
                                       prefetch=layer["gate_up"])
-            h = self._linear_residual(ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"],
-                                                      prefetch=layer["down"]), layer["down"], h, prefetch=nxt)
+            a = ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"],
+                                **_prefetch(ops.norm_swiglu, layer["down"]))
+            h = self._linear_residual(a, layer["down"], h, prefetch=nxt)
         if logits_indices is not None:
             h = h[logits_indices]
         if self.tp is None:
@@ -123,10 +142,10 @@ class LlamaModel:
     def _linear_residual(self, x, w, h, prefetch=None):
         """h + x W^T. Row-parallel under TP: each rank's partial product, summed by an all-reduce;
         the residual h is added by rank 0 only (the others add zeros), so it is counted once."""
+        kw = _prefetch(self.kernels.linear_residual, prefetch)
         if self.tp is None:
-            return self.kernels.linear_residual(x, w, h, prefetch=prefetch)
-        y = self.kernels.linear_residual(x, w, h if self.tp.rank == 0 else torch.zeros_like(h),
-                                         prefetch=prefetch)
+            return self.kernels.linear_residual(x, w, h, **kw)
+        y = self.kernels.linear_residual(x, w, h if self.tp.rank == 0 else torch.zeros_like(h), **kw)
         self.tp.all_reduce(y)
         return y
 
