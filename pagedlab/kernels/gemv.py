@@ -502,7 +502,8 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
-_WORKSPACE: dict = {}
+_WORKSPACE: dict = {}     # split-K launches: (partial sums, arrival counters) per shape and device
+_SINK: dict = {}          # prefetch programs: where each writes one word (so its loads are kept)
 
 
 def _prefetch_args(prefetch, splits, cfg, block_m, device):
@@ -520,10 +521,10 @@ def _prefetch_args(prefetch, splits, cfg, block_m, device):
     n = words.numel() if not cap else min(words.numel(), (int(cap) << 20) // words.element_size())
     programs = min(programs, triton.cdiv(n, PF_BLOCK))
     blocks = triton.cdiv(programs, splits)
-    key = ("sink", device, blocks * splits)
-    if key not in _WORKSPACE:
-        _WORKSPACE[key] = torch.empty(blocks * splits, dtype=torch.int32, device=device)
-    return blocks, dict(pf_ptr=words, pf_n=n, sink_ptr=_WORKSPACE[key], PF_BLOCKS=blocks, PF_BLOCK=PF_BLOCK)
+    key = (device, blocks * splits)
+    if key not in _SINK:
+        _SINK[key] = torch.empty(blocks * splits, dtype=torch.int32, device=device)
+    return blocks, dict(pf_ptr=words, pf_n=n, sink_ptr=_SINK[key], PF_BLOCKS=blocks, PF_BLOCK=PF_BLOCK)
 
 
 # Words (int32) each prefetch program reads per loop step.
