@@ -306,17 +306,10 @@ ACC2D = {"split": dict(SPLIT, K_SPLIT=48, BLOCK_K=16, ACC2D=1),
          "whole_k": dict(SPLIT, BLOCK_R=4, K_SPLIT=4096, BLOCK_K=32, ACC2D=1)}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", ACC2D)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_acc2d_one_token(config, dtype, fp8):
-    """Every fused kernel at one token with ACC2D on, plain and FP8 weights, against the fp64
-    composition of the references on the same (dequantized) weights; the greedy token exactly
-    torch's argmax of the kernel's logits."""
+def one_token_inputs(gen, dtype, fp8: bool, hidden: int, inter: int):
+    """One token's inputs for the fused kernels, and weight(n, k) -> (the weight the kernel takes,
+    its fp64 reference): a plain weight, or FP8 codes + scales and their dequantized fp64 values."""
     from pagedlab.quantization import quantize_weight
-    c = ACC2D[config]
-    gen = torch.Generator().manual_seed(41 + len(config) + fp8)
-    hidden, inter, hq, hkv, d, vocab = SHAPES[-1]
 
     def weight(n, k):
         w = rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
@@ -325,9 +318,21 @@ def test_acc2d_one_token(config, dtype, fp8):
         q = quantize_weight(w)
         return q, q.q.double() * q.scale.double()[:, None]
     x = rand(1, hidden, dtype=dtype, gen=gen, scale=2.0)
-    xi = rand(1, inter, dtype=dtype, gen=gen)
-    r = rand(1, hidden, dtype=dtype, gen=gen)
-    g = rand(hidden, dtype=dtype, gen=gen)
+    return weight, x, rand(1, inter, dtype=dtype, gen=gen), rand(1, hidden, dtype=dtype, gen=gen), \
+        rand(hidden, dtype=dtype, gen=gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", ACC2D)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_acc2d_one_token(config, dtype, fp8):
+    """Every fused kernel at one token with ACC2D on, plain and FP8 weights, against the fp64
+    composition of the references on the same (dequantized) weights; the greedy token exactly
+    torch's argmax of the kernel's logits."""
+    c = ACC2D[config]
+    gen = torch.Generator().manual_seed(41 + len(config) + fp8)
+    hidden, inter, hq, hkv, d, vocab = SHAPES[-1]
+    weight, x, xi, r, g = one_token_inputs(gen, dtype, fp8, hidden, inter)
     kw = dict(config=c, fp8_config=c, fused=True)
     tol = max(TOL[dtype], 2e-2) if fp8 else TOL[dtype]
     for xin in (x, xi):
@@ -363,22 +368,11 @@ PREFETCH = {"split": dict(SPLIT, K_SPLIT=40, BLOCK_K=16, ACC2D=0),          # ra
 @pytest.mark.parametrize("dtype", DTYPES[:1])
 @pytest.mark.parametrize("config,fp8", [("split", False), ("acc2d_one_step", True)])
 def test_prefetch_one_token(config, dtype, fp8):
-    from pagedlab.quantization import quantize_weight
     plain = PREFETCH[config]
     tried = dict(plain, PREFETCH=5, PREFETCH_MB=0)
     gen = torch.Generator().manual_seed(43 + len(config) + fp8)
     hidden, inter, hq, hkv, d, vocab = SHAPES[-1]
-
-    def weight(n, k):
-        w = rand(n, k, dtype=dtype, gen=gen, scale=k ** -0.5)
-        if not fp8:
-            return w, f64(w)
-        q = quantize_weight(w)
-        return q, q.q.double() * q.scale.double()[:, None]
-    x = rand(1, hidden, dtype=dtype, gen=gen, scale=2.0)
-    xi = rand(1, inter, dtype=dtype, gen=gen)
-    r = rand(1, hidden, dtype=dtype, gen=gen)
-    g = rand(hidden, dtype=dtype, gen=gen)
+    weight, x, xi, r, g = one_token_inputs(gen, dtype, fp8, hidden, inter)
     other, _ = weight(37, 29)                 # the "next" matrix: odd size, int8 words when fp8
     tol = max(TOL[dtype], 2e-2) if fp8 else TOL[dtype]
 
