@@ -3,23 +3,16 @@ checked against pagedlab's own implementation) and fails, with a message that sa
 on a stub and on planted bugs."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from pagedlab.course import checks
+from pagedlab.course.chapter import load_pieces
 from pagedlab.kv_cache import blocks_needed
-
-PIECES = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "pieces.py"
 
 
 @pytest.fixture(scope="module")
 def sol():
-    spec = importlib.util.spec_from_file_location("pieces_for_tests", PIECES)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_pieces()            # the course's solutions/pieces.py, as the notebooks load it
 
 
 @pytest.fixture(autouse=True)

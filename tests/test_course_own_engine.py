@@ -4,24 +4,18 @@ bug in either is caught by the notebook's checks, and each piece left None is pa
 the printed line says so)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.course import CheckFailed, DEMO_PROMPTS, own_engine
+from pagedlab.course.chapter import load_pieces
 
-PIECES = Path(__file__).resolve().parent.parent / "notebooks" / "solutions" / "pieces.py"
 TEXTS = DEMO_PROMPTS + ["  spaces and\ttabs, naïve café ☕ 12345678 don't WON'T", "Hello, world!"]
 
 
 @pytest.fixture(scope="module")
 def sol():
-    spec = importlib.util.spec_from_file_location("pieces_for_own_engine", PIECES)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_pieces()            # the course's solutions/pieces.py, as the notebooks load it
 
 
 def _highest_rank_first(piece, ranks):              # 01's planted bug: merges the HIGHEST rank first
