@@ -437,6 +437,30 @@ def test_metrics_parse_and_move(server):
     assert moved(before, after, "pagedlab_time_to_first_token_seconds_sum") > 0
 
 
+def test_many_histogram_equals_prometheus_histogram():
+    """metrics.ManyHistogram (a request's gaps added in one call) exposes what prometheus_client's
+    Histogram does for the same values, one observe each: values on a bound, above every bound, none."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from pagedlab.server.metrics import ITL_BUCKETS, ManyHistogram
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h = Histogram("gap_seconds", "gaps", buckets=ITL_BUCKETS, registry=one)
+    m = ManyHistogram("gap_seconds", "gaps", ITL_BUCKETS, many)
+    rnd = __import__("random").Random(int(torch.randint(0, 10**6, (1,))))
+    for _ in range(40):
+        vals = [rnd.choice([rnd.expovariate(40), rnd.choice(ITL_BUCKETS), 9.0, 0.0])
+                for _ in range(rnd.randint(0, 25))]
+        for v in vals:
+            h.observe(v)
+        m.observe_many(vals)
+    got = {(s.name, tuple(s.labels.items())): s.value for f in text_string_to_metric_families(
+        generate_latest(many).decode()) for s in f.samples}
+    want = {(s.name, tuple(s.labels.items())): s.value for f in text_string_to_metric_families(
+        generate_latest(one).decode()) for s in f.samples if not s.name.endswith("_created")}
+    assert got.keys() == want.keys() and got[("gap_seconds_count", ())] > 0
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-12), k
+
+
 def test_prefix_cache_hits_show_in_usage_and_metrics():
     s = serve(id_llm(prefix_caching=True), model_name=MODEL, port=0)
     try:

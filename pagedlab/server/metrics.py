@@ -19,7 +19,11 @@ clients), and, read off the allocator when it keeps them (`prefix_queries`, `pre
 """
 from __future__ import annotations
 
+import bisect
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 # seconds; TTFT spans a fast GPU (ms) to a loaded CPU (many s), ITL a GPU step to a CPU step
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -34,6 +38,41 @@ PREFIX_CACHE_GAUGES = {
     "pagedlab_prefix_cache_hit_tokens_engine": ("prefix_hits", "of those, tokens found cached"),
     "pagedlab_kv_blocks_cached": ("num_cached", "blocks nobody holds that keep a known prefix"),
 }
+
+
+class ManyHistogram:
+    """A Prometheus histogram that takes a request's values in one call. prometheus_client's
+    Histogram.observe takes a lock and walks the buckets per value: a finished 144-token stream is
+    143 gaps, ~0.1 ms of the front end's one thread per request (py-spy, H200 host, 2026-12-02).
+    Here a request's gaps are counted first (bisect, no lock) and added under the lock once."""
+
+    def __init__(self, name: str, doc: str, buckets, registry):
+        self.name, self.doc, self.bounds = name, doc, tuple(float(b) for b in buckets)
+        self._counts = [0] * (len(self.bounds) + 1)           # the last bucket: above every bound
+        self._sum, self._lock = 0.0, threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values) -> None:
+        if not values:
+            return
+        counts, bounds = [0] * len(self._counts), self.bounds
+        for v in values:
+            counts[bisect.bisect_left(bounds, v)] += 1        # le: a value on a bound counts in it
+        total = float(sum(values))
+        with self._lock:
+            for i, c in enumerate(counts):
+                if c:
+                    self._counts[i] += c
+            self._sum += total
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cum, buckets = 0, []
+        for bound, c in zip((*map(str, self.bounds), "+Inf"), counts):
+            cum += c
+            buckets.append((bound, cum))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
 
 
 class ServerMetrics:
@@ -80,8 +119,8 @@ class ServerMetrics:
                                 registry=reg)
         self.ttft = Histogram("pagedlab_time_to_first_token_seconds",
                               "HTTP request arrival to its first token", buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("pagedlab_inter_token_latency_seconds", "time between two tokens of a request",
-                             buckets=ITL_BUCKETS, registry=reg)
+        self.itl = ManyHistogram("pagedlab_inter_token_latency_seconds", "time between two tokens of a request",
+                                 ITL_BUCKETS, reg)
 
     def on_tokens(self, n: int) -> None:
         if n:
@@ -98,8 +137,7 @@ class ServerMetrics:
         self.preemptions.inc(output.num_preemptions)
         self.spec_proposed.inc(getattr(output, "num_spec_proposed", 0) or 0)
         self.spec_accepted.inc(getattr(output, "num_spec_accepted", 0) or 0)
-        for gap in output.itl_s:
-            self.itl.observe(gap)
+        self.itl.observe_many(output.itl_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
