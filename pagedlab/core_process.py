@@ -23,6 +23,7 @@ end-of-file.
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import queue
@@ -59,6 +60,23 @@ def core_info(llm, core) -> CoreInfo:
                     eng.config.seed, os.getpid(), core.stats())
 
 
+def freeze_heap() -> None:
+    """Move everything alive now (torch, the model's Python objects, the tokenizer, the app: all
+    that lives as long as the process) out of the garbage collector's sight, and let it run less
+    often (a young generation of 50,000 objects, not 700). The front end's one thread allocates a
+    few objects per token; with the defaults the collector ran ~190 times during a 512-request
+    burst and took 25 % of the front end's CPU, mostly re-walking the startup heap (0.48 of 1.9 s;
+    frozen: 0.03 of 1.2 s; 2-core CPU, random:tiny core, 2026-12-02). The engine core process does
+    the same once it is built (a full collection there would stall a step), as vLLM's API server
+    and engine core do. Cycles made later are still collected. PAGEDLAB_GC_FREEZE=0: leave it."""
+    if os.environ.get("PAGEDLAB_GC_FREEZE", "1") == "0":
+        return
+    gc.collect()
+    gc.freeze()
+    g0, g1, g2 = gc.get_threshold()
+    gc.set_threshold(max(g0, 50_000), g1, g2)
+
+
 def core_main(inbox, outbox, llm_kwargs: dict, env: dict) -> None:
     """The core process: build the LLM, then loop. Messages in: ("add", items), ("abort", ids),
     ("stop",). Out: ("ready", CoreInfo) | ("failed", traceback) once, then ("step", StepOutput) per
@@ -71,6 +89,7 @@ def core_main(inbox, outbox, llm_kwargs: dict, env: dict) -> None:
         llm = LLM(**llm_kwargs)
         core = EngineCore(llm.engine)
         outbox.send(("ready", core_info(llm, core)))
+        freeze_heap()
     except BaseException:           # noqa: BLE001 -- told to the front end, which raises it
         outbox.send(("failed", traceback.format_exc()))
         return

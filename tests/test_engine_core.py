@@ -320,3 +320,28 @@ def test_a_killed_core_stops_the_cli_server():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("env", ["", "0"])
+def test_freeze_heap_hides_the_startup_heap_from_the_collector(env):
+    """core_process.freeze_heap (the CLI server and each engine core call it once built): what is
+    alive moves to the permanent generation and the young generation grows to 50,000 objects, so a
+    collection during serving never re-walks torch and the model; PAGEDLAB_GC_FREEZE=0 leaves the
+    collector as it was. Garbage made later is still collected."""
+    code = ("import gc, weakref\n"
+            "from pagedlab.core_process import freeze_heap\n"
+            "keep = [[i] for i in range(1000)]\n"
+            "t0 = gc.get_threshold()\n"
+            "freeze_heap()\n"
+            "class C: pass\n"
+            "a = C(); a.me = a; dead = weakref.ref(a); del a\n"
+            "gc.collect()\n"
+            "print(gc.get_freeze_count(), t0[0], gc.get_threshold()[0], dead() is None)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PAGEDLAB_GC_FREEZE": env}, check=True).stdout.split()
+    frozen, before, after, collected = int(out[0]), int(out[1]), int(out[2]), out[3]
+    assert collected == "True"
+    if env == "0":
+        assert frozen == 0 and after == before
+    else:
+        assert frozen > 1000 and after == max(before, 50_000)

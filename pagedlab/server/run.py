@@ -25,6 +25,7 @@ import time
 import uvicorn
 
 from ..async_llm import AsyncLLM
+from ..core_process import freeze_heap
 from .app import DEFAULT_MAX_WAITING, build_app
 
 START_TIMEOUT_S = 60.0
@@ -115,6 +116,7 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
         # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for us: SIGTERM
         # becomes a normal exit (engine cores stopped below), not a kill
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        freeze_heap()          # the process is the server's alone (a caller's thread keeps its GC as it is)
         try:
             server.run()
         finally:
