@@ -19,6 +19,7 @@ from ..interrupts import atomic
 from ..kv_cache import blocks_needed
 from ..request import RequestStatus
 from .accept import AdaptiveK, accept_greedy
+from .gate import BatchGate
 
 
 def num_guesses(batch) -> int:
@@ -31,12 +32,26 @@ def can_speculate(req) -> bool:
     return not req.params.has_penalties and req.params.logprobs is None
 
 
+def nearest(times: dict, b: int):
+    """The running mean measured at the batch size nearest b, within a quarter of b (+1); None."""
+    best = None
+    for size, t in times.items():
+        d = abs(size - b)
+        if d <= b / 4 + 1 and (best is None or d < best[0]):
+            best = (d, t)
+    return best and best[1]
+
+
 class Speculator:
     def __init__(self, proposer, k_max: int, adaptive: bool = True, accept=accept_greedy, on_verify=None):
         """accept: the rule (drafts, targets) -> emitted tokens (the chapter plugs the learner's in);
-        on_verify(request, guesses, emitted): called after each verify (to watch it work)."""
+        on_verify(request, guesses, emitted): called after each verify (to watch it work).
+        adaptive: each request's k follows its acceptance (AdaptiveK) and the batch's gate
+        (BatchGate, `gate`; None: every step may guess) turns guessing off where it costs the
+        batch more than it gains."""
         self.proposer, self.k_max, self.accept, self.on_verify = proposer, k_max, accept, on_verify
         self.adaptive = AdaptiveK(k_max) if adaptive else None
+        self.gate = BatchGate() if adaptive else None
         self.num_proposed = self.num_accepted = self.num_verify_steps = 0
         self.num_proposer_errors, self.last_proposer_error = 0, None
         # measured seconds of a decode-only step without guesses and with (running means): their
@@ -44,26 +59,44 @@ class Speculator:
         # time is from its plan() to the next one's: with the overlap loop (engine.py) that is
         # what a plain step costs in a stream of them, and a verify step's includes its wait.
         self.step_s = {False: None, True: None}
-        self._last = None        # (time, batch, guessed) of the latest plan()
+        # the same per kind and batch size (decoding sequences) for the gate: "verify", "ahead" (a
+        # plain step planned while the previous one ran: the overlap loop's pace), "sync" (other plain)
+        self.times = {"verify": {}, "ahead": {}, "sync": {}}
+        self._last = None        # (time, batch, guessed, ran ahead) of the latest plan()
 
     @property
     def cost(self) -> float:
         plain, verify = self.step_s[False], self.step_s[True]
         return verify / plain if plain and verify else 1.0
 
+    def batch_cost(self, b: int) -> float | None:
+        """What a verify step of b sequences costs against a plain one (run ahead where this engine
+        runs ahead at all), measured at about that size; None: not measured yet."""
+        verify = nearest(self.times["verify"], b)
+        plain = nearest(self.times["ahead"] if self.times["ahead"] else self.times["sync"], b)
+        return verify / plain if verify and plain else None
+
     @atomic
     def plan(self, sched, step) -> None:
         """Guesses for this step's decodes, within the token budget and the blocks free now
         (never preempting anyone for a guess)."""
+        prev = self._last and self._last[1]          # the step planned last time (now complete)
         self._time_last_step(time.perf_counter())
         for r in sched.admitted:
             r.spec_token_ids = []
         forget = getattr(self.proposer, "forget_except", None)
         if forget is not None:                       # a draft model frees what left the slots
             forget({r.request_id for r in sched.admitted})
+        ahead = any(r.num_in_flight for r in step.decode)
+        self._last = (self._last[0], step, False, ahead)
+        cost = self.cost
+        if self.gate is not None and not self.gate.step(len(step.decode), bool(prev and prev.prefill)):
+            for r in step.decode:                    # a plain step: paused requests count it
+                if r.spec_pause > 0 and can_speculate(r):
+                    self.adaptive.k(r, cost)
+            return
         room_rows = sched.max_num_batched_tokens - len(step.decode)
         reqs, ks = [], []
-        cost = self.cost
         for r in step.decode:
             if not can_speculate(r):
                 continue
@@ -76,7 +109,6 @@ class Speculator:
                 reqs.append(r)
                 ks.append(k)
                 room_rows -= k
-        self._last = (self._last[0], step, False)
         if not reqs:
             return
         bs = sched.block_size
@@ -99,19 +131,22 @@ class Speculator:
                 guesses = guesses[:len(r.blocks) * bs - n]
             r.spec_token_ids = list(guesses)
             step.guessed = step.guessed or bool(guesses)
-        self._last = (self._last[0], step, step.guessed)
+        self._last = (self._last[0], step, step.guessed, ahead)
 
     def _time_last_step(self, now: float) -> None:
         """The step planned last time took until now: a running mean per kind (with or without
         guesses), of decode-only steps, not counting a pause of the engine (idle between them)."""
-        last, self._last = self._last, (now, None, False)
+        last, self._last = self._last, (now, None, False, False)
         if last is None or last[1] is None or last[1].prefill or not last[1].decode:
             return
-        dt, old = now - last[0], self.step_s[last[2]]
-        if old is None:
-            self.step_s[last[2]] = dt
-        elif dt < 4 * old:
-            self.step_s[last[2]] = old + 0.1 * (dt - old)
+        dt = now - last[0]
+        kind = "verify" if last[2] else "ahead" if last[3] else "sync"
+        for table, key in ((self.step_s, last[2]), (self.times[kind], len(last[1].decode))):
+            old = table.get(key)
+            if old is None:
+                table[key] = dt
+            elif dt < 4 * old:
+                table[key] = old + 0.1 * (dt - old)
 
     def wants_sync(self, sched) -> bool:
         """Must the engine read the step in flight before the next one (engine.py's overlap loop)?
@@ -119,18 +154,25 @@ class Speculator:
         next step asks someone for guesses (a proposal starts from the last token)."""
         if self.adaptive is None:
             return any(can_speculate(r) for r in sched.admitted)
+        if self.gate is not None and self.gate.closed_next():     # a plain step next
+            return any(r.spec_token_ids for r in sched.admitted)
         ask = self.adaptive.will_propose
         return any(r.spec_token_ids or (ask(r) and can_speculate(r)) for r in sched.admitted)
 
     @staticmethod
     def rows(batch, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
-        """The runner's per-row tokens -> (first token per sampled request, all rows of each)."""
-        first, per_req, i = [], [], 0
+        """The runner's per-row tokens -> (first token per sampled request, all rows of each).
+        The step's logprobs (one per row too) become one per sampled request, as the plain
+        settle reads them (a request asking for logprobs guesses nothing: its one row's)."""
+        first, per_req, i, at = [], [], 0, []
         for r in batch.sampled:
             m = 1 + len(r.spec_token_ids)
             per_req.append(tokens[i:i + m])
             first.append(tokens[i])
+            at.append(i)
             i += m
+        if getattr(batch, "logprobs", None) is not None and len(batch.logprobs) == i:
+            batch.logprobs = [batch.logprobs[j] for j in at]
         return first, per_req
 
     @atomic
@@ -140,6 +182,7 @@ class Speculator:
         now, bs = time.perf_counter(), sched.block_size
         cost = self.cost
         log = {}                                     # for the trace: request id -> (guesses, kept)
+        kept_in_step = 0
         for r, targets in zip(batch.sampled, per_req or ()):
             guesses = r.spec_token_ids
             if not guesses:
@@ -165,6 +208,7 @@ class Speculator:
                 self.on_verify(r, guesses, out[:1 + kept])
             r.num_spec_proposed += len(guesses)
             r.num_spec_accepted += kept
+            kept_in_step += kept
             self.num_proposed += len(guesses)
             self.num_accepted += kept
             if r.status is not RequestStatus.FINISHED:
@@ -175,6 +219,9 @@ class Speculator:
                     sched.allocator.free(extra)
         if log:
             batch.spec_log = log
+            if self.gate is not None:
+                b = len(batch.decode)
+                self.gate.verified(b, kept_in_step, self.batch_cost(b))
         forget = getattr(self.proposer, "forget_except", None)
         if forget is not None:
             forget({r.request_id for r in sched.admitted})

@@ -1,0 +1,80 @@
+"""Does guessing pay for the whole batch? The speculator's switch between verify steps and plain ones.
+
+AdaptiveK (accept.py) decides per request, but what a verify step costs is paid by the whole
+batch: a step where anyone guesses cannot run a step ahead (engine.py's overlap loop: the host
+waits for it), and it carries k + 1 rows per guessing sequence. With 16 requests of free-running
+text, some request is nearly always trying its luck, so the batch nearly never overlaps, while
+the guesses kept add a few percent of tokens. The gate weighs the two for the batch:
+
+    gain  = tokens a verify step emits per sequence in it  (1 + kept guesses / sequences; a running mean)
+    cost  = seconds of a verify step / seconds of a plain step run ahead, at that batch size
+            (Speculator.batch_cost: measured on the fly, from plan to plan, per batch size)
+
+While gain >= cost the gate stays open (each request's AdaptiveK still chooses its k). When the
+gain falls below the cost (after at least `min_steps` verify steps) it closes: the next `wait`
+steps are plain ones -- no proposals, no verify rows, nobody to wait for, so the overlap loop runs
+ahead as without speculation. Then it opens again for a probe. A probe that ends in fewer than
+`paid_run` verify steps doubles the next wait (up to `max_pause`: text where guessing does not pay
+stops paying for the probes too); after a long paying run the waits start short again. A step
+that prefills someone (a new request may be one to copy) brings the next probe within `pause`
+steps; a step with nobody decoding (the engine ran dry) starts afresh, open. Where the cost at a
+batch size is not known yet (no plain step run ahead near it), the gate closes for
+`calibrate_steps` steps to measure it.
+"""
+from __future__ import annotations
+
+
+class BatchGate:
+    def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
+                 weight: float = 0.3, calibrate_steps: int = 4):
+        self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
+        self.weight, self.calibrate_steps = weight, calibrate_steps
+        self.num_closes = self.num_plain_steps = self.num_probes = 0     # what it did (bench, tests)
+        self.reset()
+
+    def reset(self) -> None:
+        """Open, no history (the engine ran dry: whatever comes next is new)."""
+        self.open = True
+        self.wait = 0             # closed: plain steps left before the next probe
+        self.gain = None          # running tokens per sequence of this open phase's verify steps
+        self.run = 0              # verify steps in this open phase
+        self.streak = 0           # closes after short probes, in a row (each wait twice as long)
+
+    def closed_next(self) -> bool:
+        """Will the next step be a plain one (nothing asked of the proposer)?"""
+        return not self.open and self.wait > 0
+
+    def step(self, num_decode: int, prefill: bool) -> bool:
+        """A step is being planned: may its decodes guess? (Counts a closed step down.)"""
+        if num_decode == 0:
+            self.reset()
+            return True
+        if not self.open and prefill:
+            self.wait = min(self.wait, self.pause)
+        if not self.closed_next():
+            return True
+        self.wait -= 1
+        self.num_plain_steps += 1
+        if self.wait == 0:                  # the next step probes
+            self.open, self.gain, self.run = True, None, 0
+            self.num_probes += 1
+        return False
+
+    def verified(self, num_seqs: int, kept: int, cost: float | None) -> None:
+        """A verify step of `num_seqs` decoding sequences kept `kept` guesses in all; `cost`: what
+        such a step costs against a plain one run ahead (None: not known yet)."""
+        if not self.open or num_seqs <= 0:
+            return
+        g = 1 + kept / num_seqs
+        self.gain = g if self.gain is None else self.gain + self.weight * (g - self.gain)
+        self.run += 1
+        if self.run < self.min_steps:
+            return
+        if cost is None:                    # measure a plain step at this size first
+            self.open, self.wait = False, self.calibrate_steps
+        elif self.gain < cost:
+            if self.run >= self.paid_run:   # it paid for a while: start short again
+                self.streak = 0
+            self.open, self.wait = False, min(self.pause << min(self.streak, 16), self.max_pause)
+            self.streak += 1
+            self.num_closes += 1
