@@ -1,0 +1,140 @@
+"""The batch's gate (spec/gate.py BatchGate): speculation turned off for the whole batch where a
+verify step costs more than the guesses it keeps, plain steps run ahead meanwhile, probes that come
+back. The rule step by step, then the engine (tiny random model, fp32, CPU, the overlap loop on
+the graph code path run eagerly) with proposers whose acceptance is chosen: always wrong, always
+right (the plain engine's own tokens), wrong then right. The step costs are fixed (not timed: the
+same switches each run); the tokens are the plain engine's every time."""
+import random
+
+import pytest
+
+from helpers import tiny_llm
+from pagedlab import SamplingParams
+from pagedlab.spec.gate import BatchGate
+from pagedlab.spec.speculator import Speculator
+
+COST = 1.5          # a verify step costs 1.5 plain ones run ahead
+
+
+def closed_steps(gate, b=4):
+    """Plain steps until the gate opens again (each one counted down by step())."""
+    n = 0
+    while not gate.step(b, False):
+        n += 1
+    return n
+
+
+def test_gate_closes_probes_doubles_and_comes_back():
+    g = BatchGate()
+    for _ in range(10):                               # 4 sequences keep 8 guesses a step: 3 tokens each
+        assert g.step(4, False)
+        g.verified(4, 8, COST)
+    assert g.open and g.num_closes == 0
+    waits = []
+    for _ in range(6):                                # nothing kept: 1 token a sequence, < 1.5
+        while g.open:
+            assert g.step(4, False)
+            g.verified(4, 0, COST)
+        waits.append(g.wait)
+        assert g.closed_next() and closed_steps(g) == waits[-1] and g.open
+    assert waits == [16, 32, 64, 128, 256, 256], waits      # each short probe doubles the wait
+    assert g.run == 0 and g.gain is None and g.num_probes == 6
+    for _ in range(12):                               # the probe pays: it stays open
+        assert g.step(4, False)
+        g.verified(4, 3, COST)                        # 1.75 tokens a sequence
+    assert g.open and g.num_closes == 6
+    g.verified(4, 0, COST)
+    g.verified(4, 0, COST)                            # a long paying run ended: short again
+    assert not g.open and g.wait == 16
+    # a prefill (a new request) brings the probe within `pause` steps; a dry engine starts afresh
+    g.wait, g.streak = 200, 5
+    g.step(4, True)
+    assert g.wait == 15
+    assert g.step(0, False) and g.open and g.streak == 0 and g.wait == 0
+    # the cost at this size not measured yet: a few plain steps to measure it, not counted a close
+    for _ in range(3):
+        g.verified(4, 0, None)
+    assert not g.open and g.wait == g.calibrate_steps and g.num_closes == 7 and g.streak == 0
+    # judged only after min_steps verify steps of a phase
+    g.reset()
+    g.verified(4, 0, COST)
+    g.verified(4, 0, COST)
+    assert g.open
+
+
+class ChosenProposer:
+    """Guesses from the plain engine's outputs (`ref`: prompt -> tokens): right while `right(call)`
+    says so, else each guess off by one (never kept)."""
+
+    def __init__(self, ref, right):
+        self.ref, self.right, self.calls = ref, right, 0
+
+    def propose(self, reqs, ks):
+        self.calls += 1
+        out = []
+        for r, k in zip(reqs, ks):
+            n = len(r.output_token_ids)
+            want = self.ref[tuple(r.prompt_token_ids)][n:n + k]
+            out.append(want if self.right(self.calls) else [(t + 1) % 400 + 3 for t in want])
+        return out
+
+
+def run(right, n=4, max_tokens=48, seed=0):
+    """The plain engine's tokens, the speculative engine's with the chosen proposer, and per plan():
+    (the gate had closed the step, it guessed, rows of guesses, it ran a step ahead)."""
+    rnd = random.Random(seed)
+    prompts = [[rnd.randrange(3, 400) for _ in range(rnd.randint(4, 12))] for _ in range(n)]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    kw = dict(dtype="float32", max_num_seqs=n, cuda_graphs="eager", block_size=8)
+    want = tiny_llm(**kw).generate(prompts, sp)
+    llm = tiny_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **kw)
+    spec = llm.engine.speculator
+    assert llm.engine.overlap and spec.gate is not None
+    spec.proposer = ChosenProposer({tuple(p): o.token_ids for p, o in zip(prompts, want)}, right)
+    steps, plan = [], spec.plan
+
+    def watched(sched, step):
+        closed = spec.gate.closed_next()
+        plan(sched, step)
+        steps.append((closed, step.guessed, sum(len(r.spec_token_ids) for r in step.decode),
+                      any(r.num_in_flight for r in step.decode)))
+    spec.plan = watched
+    got = llm.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]       # verification is exact
+    assert llm.engine.scheduler.allocator.num_used == 0
+    return llm, spec, steps
+
+
+@pytest.fixture
+def fixed_costs(monkeypatch):
+    monkeypatch.setattr(Speculator, "cost", property(lambda self: 1.0))    # (each request's AdaptiveK)
+    monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: COST)
+
+
+def test_low_acceptance_switches_to_plain_steps_run_ahead(fixed_costs):
+    llm, spec, steps = run(right=lambda call: False)
+    gate = spec.gate
+    assert gate.num_closes >= 2 and spec.num_accepted == 0
+    closed = [s for s in steps if s[0]]
+    assert len(closed) >= len(steps) // 2, (len(closed), len(steps))    # most steps are plain ones
+    assert all(not guessed and rows == 0 for _, guessed, rows, _ in closed)   # no guesses, no extra rows
+    assert sum(ahead for *_, ahead in closed) >= len(closed) - 2 * gate.num_closes   # ... run ahead
+    assert sum(s[1] for s in steps) <= 3 * (gate.num_probes + 1)       # verify steps: the probes only
+
+
+def test_copy_heavy_batch_keeps_speculating(fixed_costs):
+    llm, spec, steps = run(right=lambda call: True)
+    assert spec.gate.num_closes == 0 and spec.gate.num_plain_steps == 0
+    assert spec.num_accepted >= 0.9 * spec.num_proposed > 0
+    tokens = 4 * 48
+    assert sum(s[1] for s in steps) < tokens / 4 / 2          # each sequence > 2 tokens a step
+
+
+def test_the_gate_probes_and_comes_back(fixed_costs):
+    llm, spec, steps = run(right=lambda call: call > 3, max_tokens=64)
+    gate = spec.gate
+    assert gate.num_closes == 1 and gate.num_probes == 1 and gate.open
+    first_closed = next(i for i, s in enumerate(steps) if s[0])
+    reopened = next(i for i, s in enumerate(steps) if i > first_closed and not s[0])
+    assert any(s[1] for s in steps[reopened:])                # guessing again after the probe
+    assert spec.num_accepted > spec.num_proposed / 2
