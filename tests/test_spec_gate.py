@@ -120,6 +120,21 @@ def test_low_acceptance_switches_to_plain_steps_run_ahead(fixed_costs):
     assert all(not guessed and rows == 0 for _, guessed, rows, _ in closed)   # no guesses, no extra rows
     assert sum(ahead for *_, ahead in closed) >= len(closed) - 2 * gate.num_closes   # ... run ahead
     assert sum(s[1] for s in steps) <= 3 * (gate.num_probes + 1)       # verify steps: the probes only
+    # what the gate weighs on a real engine: step times per kind and batch size (sequences decoding)
+    assert spec.times["verify"] and spec.times["ahead"] and set(spec.times["ahead"]) <= {1, 2, 3, 4}
+    assert all(t > 0 for kind in spec.times.values() for t in kind.values())
+
+
+def test_step_costs_are_read_at_the_nearest_batch_size():
+    from pagedlab.spec.speculator import nearest
+    s = Speculator(proposer=None, k_max=4)
+    assert s.batch_cost(8) is None
+    s.times["verify"].update({16: 3.0, 2: 1.0})
+    s.times["sync"][16] = 1.5
+    assert s.batch_cost(14) == pytest.approx(2.0)             # plain: the synced ones, none run ahead
+    s.times["ahead"].update({15: 1.0, 2: 0.8})
+    assert s.batch_cost(14) == pytest.approx(3.0) and s.batch_cost(2) == pytest.approx(1.25)
+    assert s.batch_cost(8) is None and nearest({15: 1.0}, 12) == 1.0 and nearest({15: 1.0}, 11) is None
 
 
 def test_copy_heavy_batch_keeps_speculating(fixed_costs):
@@ -138,3 +153,17 @@ def test_the_gate_probes_and_comes_back(fixed_costs):
     reopened = next(i for i, s in enumerate(steps) if i > first_closed and not s[0])
     assert any(s[1] for s in steps[reopened:])                # guessing again after the probe
     assert spec.num_accepted > spec.num_proposed / 2
+
+
+def test_bench_spec_batch_gate_variants(tmp_path):
+    """bench spec --batch-gate off,on: each speculative variant with the gate off and on, one engine."""
+    from pagedlab.bench.spec import run
+    res = run(["--small", "--workloads", "free", "--modes", "batched", "--copies", "2", "--max-tokens", "8",
+               "--batch-gate", "off,on", "--out", str(tmp_path)])
+    vs = res["runs"]["free/batched"]["variants"]
+    assert list(vs) == ["off", "on (off@gate=off)", "on (off@gate=on)"], list(vs)
+    assert vs["on (off@gate=off)"]["median_run"]["gate"] is None
+    assert set(vs["on (off@gate=on)"]["median_run"]["gate"]) == {"num_closes", "num_probes", "num_plain_steps"}
+    assert all(x["same_tokens"] == 1.0 and x["against"] == "off" for x in vs.values())
+    with pytest.raises(SystemExit):
+        run(["--small", "--batch-gate", "maybe", "--out", str(tmp_path)])

@@ -105,6 +105,8 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
         eng.runner.graphs = graphs
     eng.reset_timing()
     overlapped0 = eng.num_overlapped
+    gate = speculator.gate if speculator is not None else None
+    gate0 = {k: getattr(gate, k) for k in ("num_closes", "num_probes", "num_plain_steps")} if gate else {}
     outs, wall = run_once(llm, prompts, params, real, batched)
     n = sum(len(o.token_ids) for o in outs)
     proposed = sum(o.num_spec_proposed for o in outs)
@@ -116,6 +118,9 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
                 proposed=proposed, accepted=accepted, acceptance=accepted / proposed if proposed else 0.0,
                 step_ms=None if speculator is None else {("verify" if k else "plain"): v and v * 1e3
                                                          for k, v in speculator.step_s.items()},
+                # the batch's gate: closes, probes and plain steps it made this run (None: gate off)
+                gate=None if speculator is None or speculator.gate is None else
+                {k: getattr(speculator.gate, k) - gate0[k] for k in gate0},
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
                 overlapped_steps=eng.num_overlapped - overlapped0,
                 token_ids=[o.token_ids for o in outs])
@@ -123,10 +128,16 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
 
 def adaptive_options(spec, item: str) -> dict:
     """--fused-rows item "mode@name=value+name=value": AdaptiveK settings for that variant's runs
-    (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK."""
+    (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK; "gate=off"
+    (or on): the batch's gate (spec/gate.py BatchGate) off for those runs."""
     opts = {}
     for part in [p for p in item.partition("@")[2].split("+") if p]:
         name, _, value = part.partition("=")
+        if name == "gate" and spec is not None and spec.gate is not None:
+            if value not in ("on", "off"):
+                raise SystemExit(f"--fused-rows {item!r}: gate is on or off, not {value!r}")
+            opts["gate"] = value
+            continue
         if spec is None or spec.adaptive is None or not hasattr(spec.adaptive, name) or name.startswith("_"):
             raise SystemExit(f"--fused-rows {item!r}: {name!r} is no AdaptiveK setting")
         opts[name] = type(getattr(spec.adaptive, name))(value)
@@ -134,20 +145,28 @@ def adaptive_options(spec, item: str) -> dict:
 
 
 class adaptive_set:
-    """`with adaptive_set(speculator, opts):` those AdaptiveK settings, the old ones back after."""
+    """`with adaptive_set(speculator, opts):` those AdaptiveK settings (and the gate off for
+    "gate": "off"), the old ones back after."""
 
     def __init__(self, spec, opts: dict):
+        self.spec = spec
         self.target = spec.adaptive if spec is not None else None
         self.opts = opts if self.target is not None else {}
 
     def __enter__(self):
-        self.old = {k: getattr(self.target, k) for k in self.opts}
-        for k, v in self.opts.items():
+        opts = dict(self.opts)
+        self.gate = self.spec.gate if self.spec is not None else None
+        if opts.pop("gate", "on") == "off":
+            self.spec.gate = None
+        self.old = {k: getattr(self.target, k) for k in opts}
+        for k, v in opts.items():
             setattr(self.target, k, v)
 
     def __exit__(self, *exc):
         for k, v in self.old.items():
             setattr(self.target, k, v)
+        if self.spec is not None:
+            self.spec.gate = self.gate
 
 
 def variant_graphs(llm, modes) -> dict:
@@ -397,6 +416,10 @@ def run(argv=None) -> dict:
                    help="comma-separated kernels/gemv.py fused_rows modes of the few-row decode graphs the "
                         "speculative runs replay, each a run of its own: off (cuBLAS + separate small "
                         "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS)")
+    p.add_argument("--batch-gate", default=None, metavar="on|off|off,on",
+                   help="the batch's gate (spec/gate.py: speculation off for the whole batch where it "
+                        "does not pay): several values, each speculative variant once per value "
+                        "(default: on, the engine's own)")
     p.add_argument("--graph-prefill", default=None, metavar="N[,M...]",
                    help="steps with at most N prompt + decode rows replay the decode graphs "
                         "(runner.ModelRunner.GRAPH_PREFILL_ROWS; every run, plain and speculative). "
@@ -423,6 +446,9 @@ def run(argv=None) -> dict:
     for m in items:
         if m.partition("@")[0] != "off" and m.partition("@")[0] not in gemv.FUSED_ROWS_MODES:
             raise SystemExit(f"--fused-rows: {m!r} is none of off, {', '.join(gemv.FUSED_ROWS_MODES)}")
+    gates = [g for g in (args.batch_gate or "").split(",") if g]
+    if any(g not in ("on", "off") for g in gates):
+        raise SystemExit(f"--batch-gate: {args.batch_gate!r}: on, off or both")
     modes = [m.partition("@")[0] for m in items]
     from pagedlab.spec.config import SpeculativeConfig
     from pagedlab.spec.speculator import Speculator  # noqa: F401  (the engine builds it)
@@ -450,6 +476,9 @@ def run(argv=None) -> dict:
     own_mode = getattr(llm.engine.runner, "spec_fused_rows", None) or "off"    # (no graphs on a CPU)
     if not items:
         items = modes = [own_mode]
+    if gates:                                            # each variant once per gate setting
+        items = [m + ("+" if "@" in m else "@") + f"gate={g}" for m in items for g in gates]
+        modes = [m.partition("@")[0] for m in items]
     graphs = variant_graphs(llm, set(modes) | {own_mode})
     base = graphs[own_mode]                              # what the runs without speculation replay
     # name -> (speculator, graphs, AdaptiveK settings, GRAPH_PREFILL_ROWS, the off-variant it is against)

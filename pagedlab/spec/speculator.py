@@ -81,7 +81,7 @@ class Speculator:
         """Guesses for this step's decodes, within the token budget and the blocks free now
         (never preempting anyone for a guess)."""
         prev = self._last and self._last[1]          # the step planned last time (now complete)
-        self._time_last_step(time.perf_counter())
+        self._time_last_step(time.perf_counter(), idle=not step.decode)
         for r in sched.admitted:
             r.spec_token_ids = []
         forget = getattr(self.proposer, "forget_except", None)
@@ -133,20 +133,28 @@ class Speculator:
             step.guessed = step.guessed or bool(guesses)
         self._last = (self._last[0], step, step.guessed, ahead)
 
-    def _time_last_step(self, now: float) -> None:
+    def _time_last_step(self, now: float, idle: bool = False) -> None:
         """The step planned last time took until now: a running mean per kind (with or without
-        guesses), of decode-only steps, not counting a pause of the engine (idle between them)."""
+        guesses), of decode-only steps, not counting a pause of the engine (idle between them;
+        idle: nobody decodes now, the batch ended and may have waited since). Per batch size
+        too, where a time far below the mean replaces it (the first steps of a size may have
+        compiled kernels)."""
         last, self._last = self._last, (now, None, False, False)
-        if last is None or last[1] is None or last[1].prefill or not last[1].decode:
+        if idle or last is None or last[1] is None or last[1].prefill or not last[1].decode:
             return
         dt = now - last[0]
+        old = self.step_s[last[2]]
+        if old is None:
+            self.step_s[last[2]] = dt
+        elif dt < 4 * old:
+            self.step_s[last[2]] = old + 0.1 * (dt - old)
         kind = "verify" if last[2] else "ahead" if last[3] else "sync"
-        for table, key in ((self.step_s, last[2]), (self.times[kind], len(last[1].decode))):
-            old = table.get(key)
-            if old is None:
-                table[key] = dt
-            elif dt < 4 * old:
-                table[key] = old + 0.1 * (dt - old)
+        table, b = self.times[kind], len(last[1].decode)
+        old = table.get(b)
+        if old is None or dt < old / 4:
+            table[b] = dt
+        elif dt < 4 * old:
+            table[b] = old + 0.1 * (dt - old)
 
     def wants_sync(self, sched) -> bool:
         """Must the engine read the step in flight before the next one (engine.py's overlap loop)?
