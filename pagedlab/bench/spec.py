@@ -129,7 +129,8 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
 def adaptive_options(spec, item: str) -> dict:
     """--fused-rows item "mode@name=value+name=value": AdaptiveK settings for that variant's runs
     (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK; "gate=off"
-    (or on): the batch's gate (spec/gate.py BatchGate) off for those runs."""
+    (or on): the batch's gate (spec/gate.py BatchGate) off for those runs; "gate_NAME=value": a
+    BatchGate setting (gate_min_steps=5)."""
     opts = {}
     for part in [p for p in item.partition("@")[2].split("+") if p]:
         name, _, value = part.partition("=")
@@ -137,6 +138,12 @@ def adaptive_options(spec, item: str) -> dict:
             if value not in ("on", "off"):
                 raise SystemExit(f"--fused-rows {item!r}: gate is on or off, not {value!r}")
             opts["gate"] = value
+            continue
+        if name.startswith("gate_") and spec is not None and spec.gate is not None:
+            attr = name[5:]
+            if attr.startswith("_") or attr.startswith("num_") or not isinstance(getattr(spec.gate, attr, None), (int, float)):
+                raise SystemExit(f"--fused-rows {item!r}: {attr!r} is no BatchGate setting")
+            opts[name] = type(getattr(spec.gate, attr))(value)
             continue
         if spec is None or spec.adaptive is None or not hasattr(spec.adaptive, name) or name.startswith("_"):
             raise SystemExit(f"--fused-rows {item!r}: {name!r} is no AdaptiveK setting")
@@ -156,6 +163,10 @@ class adaptive_set:
     def __enter__(self):
         opts = dict(self.opts)
         self.gate = self.spec.gate if self.spec is not None else None
+        self.old_gate = {k[5:]: getattr(self.gate, k[5:]) for k in opts if k.startswith("gate_")}
+        for k in list(opts):
+            if k.startswith("gate_"):
+                setattr(self.gate, k[5:], opts.pop(k))
         if opts.pop("gate", "on") == "off":
             self.spec.gate = None
         self.old = {k: getattr(self.target, k) for k in opts}
@@ -167,6 +178,8 @@ class adaptive_set:
             setattr(self.target, k, v)
         if self.spec is not None:
             self.spec.gate = self.gate
+            for k, v in self.old_gate.items():
+                setattr(self.gate, k, v)
 
 
 def variant_graphs(llm, modes) -> dict:

@@ -19,24 +19,27 @@ stops paying for the probes too); after a long paying run the waits start short 
 that prefills someone (a new request may be one to copy) brings the next probe within `pause`
 steps; a step with nobody decoding (the engine ran dry) starts afresh, open. Where the cost at a
 batch size is not known yet (no plain step run ahead near it), the gate closes for
-`calibrate_steps` steps to measure it.
+`calibrate_steps` steps to measure it; at a size where only other sizes were measured, the ratio
+measured at the nearest one stands in.
 """
 from __future__ import annotations
 
 
 class BatchGate:
     def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
-                 weight: float = 0.3, calibrate_steps: int = 4):
+                 weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0):
         self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
-        self.weight, self.calibrate_steps = weight, calibrate_steps
+        self.weight, self.calibrate_steps, self.start_gain = weight, calibrate_steps, start_gain
         self.num_closes = self.num_plain_steps = self.num_probes = 0     # what it did (bench, tests)
         self.reset()
 
     def reset(self) -> None:
-        """Open, no history (the engine ran dry: whatever comes next is new)."""
+        """Open, no history (the engine ran dry: whatever comes next is new). The gain starts
+        optimistic, as each request's does (a copy often starts after a few words of its own)."""
         self.open = True
         self.wait = 0             # closed: plain steps left before the next probe
-        self.gain = None          # running tokens per sequence of this open phase's verify steps
+        self.gain = self.start_gain   # running tokens per sequence of this open phase's verify steps
+                                      # (None in a probe: judged by what it measures alone)
         self.run = 0              # verify steps in this open phase
         self.streak = 0           # closes after short probes, in a row (each wait twice as long)
 

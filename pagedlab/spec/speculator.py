@@ -71,10 +71,15 @@ class Speculator:
 
     def batch_cost(self, b: int) -> float | None:
         """What a verify step of b sequences costs against a plain one (run ahead where this engine
-        runs ahead at all), measured at about that size; None: not measured yet."""
-        verify = nearest(self.times["verify"], b)
-        plain = nearest(self.times["ahead"] if self.times["ahead"] else self.times["sync"], b)
-        return verify / plain if verify and plain else None
+        runs ahead at all): the ratio measured at the batch size nearest b where both were
+        measured (about b); None: nowhere yet."""
+        plain = self.times["ahead"] if self.times["ahead"] else self.times["sync"]
+        best = None
+        for size, verify in self.times["verify"].items():
+            p = nearest(plain, size)
+            if p and (best is None or abs(size - b) < best[0]):
+                best = (abs(size - b), verify / p)
+        return best and best[1]
 
     @atomic
     def plan(self, sched, step) -> None:
