@@ -46,6 +46,10 @@ async def merged_streams(requests, metrics: ServerMetrics, arrival: float, strea
     """Follow every submitted request (AsyncLLM.Submitted, in choice order) and yield
     (index, delta) as deltas arrive from any of them. Closing this generator (the client went away)
     aborts every request not finished, whether or not its deltas were ever read."""
+    if len(requests) == 1:             # (n=1, nearly every request: no pump task, no queue between)
+        async for item in one_stream(requests[0], metrics, arrival, stream):
+            yield item
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done: set[int] = set()
 
@@ -78,6 +82,27 @@ async def merged_streams(requests, metrics: ServerMetrics, arrival: float, strea
             if index not in done:
                 request.abort()
                 metrics.finished.labels("abort").inc()
+
+
+async def one_stream(request, metrics: ServerMetrics, arrival: float, stream: bool):
+    """merged_streams for one request: its deltas as (0, delta), read in place -- no pump task and
+    queue between. The front end's CPU per streamed request (512 at once, 32 tokens each, 2-core CPU,
+    random:tiny core, 2026-12-02): 1.86-1.91 ms read in place, 2.46-2.48 ms through the pump."""
+    first, finished = True, False
+    try:
+        async for delta in request.deltas():
+            if first and delta.token_ids:
+                metrics.on_first_token(time.perf_counter() - arrival if stream else delta.output.ttft_s)
+                first = False
+            metrics.on_tokens(len(delta.token_ids))
+            if delta.finished:
+                finished = True
+                metrics.on_finish(delta.output)
+            yield 0, delta
+    finally:
+        if not finished:
+            request.abort()
+            metrics.finished.labels("abort").inc()
 
 
 def engine_error(output) -> OpenAIError:
