@@ -117,15 +117,22 @@ class LlamaModel:
         c, ops = self.config, self.kernels
         t, eps = input_ids.shape[0], c.rms_norm_eps
         h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
+        qkv_attend = self._qkv_attend(meta, t)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
             # prefetch=: the matrix the next kernel streams (the Triton launchers may pull it into
             # L2 with extra programs at one token, kernels/gemv.py; the references ignore it)
             nxt = self.layers[i + 1]["qkv"] if i + 1 < len(self.layers) else None
-            q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
-                                        k_cache, v_cache, meta.slot_mapping, self.num_heads,
-                                        **_prefetch(ops.norm_qkv_rope_store, layer["o"]))
-            o = attend(ops, q, k_cache, v_cache, meta, self.scale)
+            if qkv_attend is not None:      # decode only: attention may run in the QKV launch
+                o = qkv_attend(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
+                               k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                               meta.decode_block_table, meta.decode_seq_lens, self.scale,
+                               meta.max_seq_len, prefetch=layer["o"])
+            else:
+                q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
+                                            k_cache, v_cache, meta.slot_mapping, self.num_heads,
+                                            **_prefetch(ops.norm_qkv_rope_store, layer["o"]))
+                o = attend(ops, q, k_cache, v_cache, meta, self.scale)
             h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h,
                                       prefetch=layer["gate_up"])
             a = ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"],
@@ -137,6 +144,18 @@ class LlamaModel:
             return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy)
         logits = self.tp.all_gather(ops.norm_lm_head(h, self.norm, eps, self.lm_head))  # [rows, V]
         return (logits, logits.argmax(dim=-1)) if greedy else logits
+
+    def _qkv_attend(self, meta: AttentionMetadata, t: int):
+        """The kernels' QKV-and-decode-attention function (select_kernels, Triton: attention in
+        the QKV launch's tail where the config's ATTN allows) for a step of decode tokens only
+        (none padded), while it still fuses the model's own QKV and decode functions; else None."""
+        ops = self.kernels
+        fn = getattr(ops, "norm_qkv_rope_store_attend", None)
+        if fn is None or getattr(ops, "attend_fuses", None) != (ops.norm_qkv_rope_store, ops.decode_attention):
+            return None
+        if meta.num_prefill_tokens != 0 or meta.num_decode_tokens != t:
+            return None
+        return fn
 
     # -- tensor parallelism: the three places where ranks talk -----------------------------------
     def _linear_residual(self, x, w, h, prefetch=None):

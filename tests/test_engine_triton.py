@@ -49,3 +49,24 @@ def test_one_stream_with_prefetch_gives_the_same_tokens():
               for k, v in prefetch_variants()["pf_chain"].items()}
     got = tiny_llm(attention_backend="triton", kernel_options=dict(gemv_config=change), **kw).generate(prompt, sp)
     assert got[0].token_ids == ref
+
+
+def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
+    """One stream with the decode attention run in the QKV launch's tail (GEMV_CONFIG's ATTN,
+    K split in two): the torch backend's tokens, and every decode step's layers took that path."""
+    from pagedlab.kernels import gemv
+    fused = []
+    launch = gemv._qkv_launch
+
+    def spy(*args, attn=None, **kw):
+        fused.append(attn is not None)
+        return launch(*args, attn=attn, **kw)
+    monkeypatch.setattr(gemv, "_qkv_launch", spy)
+    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
+    prompt = [[5, 6, 7, 8, 9, 10, 3]]
+    ref = tiny_llm(attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids
+    tiles = dict(BLOCK_R=16, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=1, ATTN=64, ATTN_BLOCK_N=8)
+    got = tiny_llm(attention_backend="triton", kernel_options=dict(gemv_config={"qkv": tiles}), **kw)
+    assert got.generate(prompt, sp)[0].token_ids == ref
+    assert fused.count(True) >= 2 * got.model.config.num_layers      # two decode steps, every layer

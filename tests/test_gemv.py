@@ -4,6 +4,7 @@ Reference = the plain-torch composition run in fp64 on the same (rounded) inputs
 kernels run under the Triton interpreter in fp32/fp16 at small irregular shapes; on a GPU in bf16
 at full Llama-3.2-1B shapes. Each case also runs above MAX_ROWS (the composed Triton+cuBLAS path).
 """
+import functools
 import os
 
 import pytest
@@ -425,3 +426,57 @@ def test_prefetch_programs_are_extra_row_blocks():
     capped = dict(cfg, PREFETCH_MB=1)
     big = torch.zeros(1 << 19, dtype=torch.int32)                                  # 2 MB
     assert gemv._prefetch_args(big, 1, capped, 1, x.device)[1]["pf_n"] == (1 << 20) // 4
+
+
+# ATTN (one token, decode only): the decode attention runs in the QKV launch's tail -- the
+# program that completes a KV head group's row blocks attends for it. Against the fp64
+# composition (QKV, then attention over the paged cache), and bit for bit against the two
+# launches with the gqa kernel (the same loop), at a context of several ragged BLOCK_N tiles
+# over scattered pages; twice in a row (the group counters reset) and, above the config's ATTN
+# context bound, the two-launch path.
+ATTN = {"split": dict(SPLIT, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, ATTN=64, ATTN_BLOCK_N=16),
+        "acc2d_prefetch": dict(SPLIT, BLOCK_R=4, K_SPLIT=16, BLOCK_K=16, ACC2D=1, PREFETCH=3,
+                               PREFETCH_MB=0, ATTN=64, ATTN_BLOCK_N=32)}
+
+
+@pytest.mark.parametrize("config,fp8,shape,dtype", [("split", False, 0, d) for d in DTYPES]
+                         + [("acc2d_prefetch", True, 1, DTYPES[0])])
+def test_attention_in_qkv_launch(config, dtype, fp8, shape):
+    from pagedlab.kernels.decode_attention import DECODE_CONFIG, decode_attention_triton
+    from pagedlab.kernels.launch import merge_config
+    c = ATTN[config]
+    gen = torch.Generator().manual_seed(47 + shape + fp8)
+    hidden, inter, hq, hkv, d, _ = SHAPES[shape % len(SHAPES)]
+    weight, x, _, _, g = one_token_inputs(gen, dtype, fp8, hidden, inter)
+    w, wr = weight((hq + 2 * hkv) * d, hidden)
+    other, _ = weight(37, 29)
+    bs, ctx = 5, 43                                   # 9 pages, the last one partly filled
+    nb = 12
+    cos_sin = rope_cos_sin(d, 500000.0, 64, device=DEV)
+    table = torch.randperm(nb, generator=gen)[:9].int()[None].to(DEV)
+    pos = torch.tensor([ctx - 1], device=DEV)
+    slot = (table[0, (ctx - 1) // bs].long() * bs + (ctx - 1) % bs).view(1)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=DEV)
+    k_cache = rand(nb, bs, hkv, d, dtype=dtype, gen=gen)
+    v_cache = rand(nb, bs, hkv, d, dtype=dtype, gen=gen)
+    gqa = functools.partial(decode_attention_triton, variant="gqa",
+                            config=merge_config(DECODE_CONFIG, {"gqa": {"BLOCK_N": c["ATTN_BLOCK_N"]}}))
+    off = dict(c, ATTN=0)
+    kr, vr = f64(k_cache), f64(v_cache)
+    ref = gemv.norm_qkv_rope_store_attend_torch(f64(x), f64(g), 1e-5, wr, pos, cos_sin.double(), kr, vr,
+                                                slot, hq, table, lens, d ** -0.5)
+    runs = []
+    for cf, bound in ((off, 64), (c, 64), (c, 64), (c, 65)):     # the 2nd fused run: counters reset
+        assert gemv.attend_fused(x, k_cache, cf, bound) == (cf is c and bound == 64)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        o = gemv.norm_qkv_rope_store_attend_triton(x, g, 1e-5, w, pos, cos_sin, kc, vc, slot, hq, table,
+                                                   lens, d ** -0.5, bound, config=cf, fp8_config=cf,
+                                                   prefetch=other, decode_attention=gqa)
+        runs.append((o, kc, vc))
+    tol = max(TOL[dtype], 2e-2) if fp8 else TOL[dtype]
+    assert runs[0][0].shape == (1, hq, d)
+    for o, kc, vc in runs:
+        for a, b in zip((o, kc, vc), runs[0]):
+            assert torch.equal(a, b), "attention in the QKV launch changed the result"
+        assert rel_err(o, ref) < tol
+        assert rel_err(kc, kr) < tol

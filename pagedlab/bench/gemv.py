@@ -20,8 +20,13 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
                                                   # CONFIG against the defaults, same run; decode
                                                   # attention at batch 1 (one_stream_confirm.json)
     python -m pagedlab bench gemv --one-stream --variants [--budget-s S]
-                                                  # the engine's one stream with each L2 prefetch
-                                                  # variant, same run (one_stream_variants.json)
+                                                  # where a batch-1 step goes (each launch, in
+                                                  # order), and the engine's one stream with the
+                                                  # attention in the QKV launch off and on, same
+                                                  # run (one_stream_attn.json)
+    python -m pagedlab bench gemv --one-stream --variants prefetch
+                                                  # ... with each L2 prefetch variant
+                                                  # (one_stream_variants.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
@@ -203,9 +208,12 @@ def sweep_one_token(dev, fp8: bool) -> dict:
 _CKPT = None
 
 
-def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True) -> dict:
+def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True,
+                      decode_variant="auto", long_context=0, breakdown=False) -> dict:
     """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
-    (GPU only, context 256) and, profile=True, its kernels' times (torch profiler)."""
+    (GPU only, context 256; long_context > 0: also at that context, graph_long_us) and,
+    profile=True, its kernels' times (torch profiler); breakdown=True: the launches of one
+    replay in order, labelled (step_breakdown)."""
     import gc
     from pagedlab.bench.common import event_time_us, kernel_times_us, random_prompt
     from pagedlab.bench.engine import finish, one_stream, step_until_decoding
@@ -222,8 +230,8 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
         _CKPT = load_checkpoint("random:llama-3.2-1b", show_progress=False)
     llm = LLM(checkpoint=_CKPT, device="cuda", dtype="bfloat16", max_num_seqs=8,
               max_model_len=2048, show_progress=False, quantization=None if weights == "bf16" else weights,
-              kernel_options=opts or None)
-    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl)
+              kernel_options=opts or None, decode_variant=decode_variant)
+    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl, decode_variant=decode_variant)
     if stream:
         res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
         res["token_ids"] = res["one_stream"].pop("token_ids")[0]
@@ -239,7 +247,22 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
     if profile:
         res["kernels_us"] = kernel_times_us(lambda: graphs.replay(1), 20)
         res["kernels_total_us"] = sum(res["kernels_us"].values())
+    if breakdown:
+        try:
+            res["breakdown"] = step_breakdown(lambda: graphs.replay(1), llm.model, context=256 + 2)
+        except Exception as e:                   # keep the run's other numbers
+            res["breakdown"] = dict(error=f"{type(e).__name__}: {e}")
     finish(eng)
+    if long_context:
+        eng.add_request(random_prompt(long_context, seed=7), SamplingParams(max_new_tokens=4, ignore_eos=True))
+        step_until_decoding(eng)
+        eng.step()
+        torch.cuda.synchronize()
+        for _ in range(20):
+            graphs.replay(1)
+        res["long_context"] = long_context
+        res["graph_long_us"] = event_time_us(lambda: graphs.replay(1), calls_per_round=200, rounds=5)
+        finish(eng)
     del llm, eng, graphs
     gc.collect()
     torch.cuda.empty_cache()
@@ -248,11 +271,92 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
         itl = res["one_stream"]["itl_ms"]
         line += (f", one stream {res['one_stream']['tokens_per_s']:.1f} tok/s, ITL p50 "
                  f"{itl.get(50, itl.get('50', float('nan'))):.3f} ms")
+    if long_context:
+        line += f", graph at {long_context} {res['graph_long_us']:.1f} us"
     if profile:
         line += f", kernels {res['kernels_total_us']:.1f} us: " + ", ".join(
             f"{k[:28]} {v:.1f}" for k, v in list(res["kernels_us"].items())[:8])
     print(line, flush=True)
     return res
+
+
+def _weight_bytes(w) -> int:
+    return w.num_bytes() if hasattr(w, "num_bytes") else w.numel() * w.element_size()
+
+
+def step_breakdown(replay, model, context: int, replays: int = 10) -> dict:
+    """Where one batch-1 graph replay goes: every launch of `replays` replays (torch profiler,
+    in order), labelled by its place in the step -- qkv, attention, o_proj, swiglu, down, lm_head,
+    argmax, other -- with its GPU microseconds (median over the replays, summed per label), the
+    launches per label, the bytes it must read (weights; attention: the K/V of `context` tokens)
+    and the rate. span_us: first start to last end of a replay; gaps_us: the time in it when
+    no kernel ran (with PDL on, kernels overlap: gaps shrink and times include PDL waits)."""
+    from statistics import median
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start),
+                key=lambda t: t[0])
+    # split into replays: each ends with the argmax merge (the LM head's greedy pick)
+    steps, cur = [], []
+    for e in ev:
+        cur.append(e)
+        if "argmax_merge" in e[2]:
+            steps.append(cur)
+            cur = []
+    c = model.config
+    layer0 = model.layers[0]
+    kv = 2 * context * model.num_kv_heads * c.head_dim * model.dtype.itemsize
+    nbytes = dict(qkv=_weight_bytes(layer0["qkv"]), attention=kv, o_proj=_weight_bytes(layer0["o"]),
+                  swiglu=_weight_bytes(layer0["gate_up"]), down=_weight_bytes(layer0["down"]),
+                  lm_head=_weight_bytes(model.lm_head))
+    per_step = []
+    for st in steps:
+        labels, prev = [], None
+        for start, end, name in st:
+            if "qkv_rope_store" in name:
+                lab = "qkv"
+            elif "_decode_" in name:
+                lab = "attention"
+            elif "swiglu" in name:
+                lab = "swiglu"
+            elif "_linear_kernel" in name:
+                lab = {"attention": "o_proj", "qkv": "o_proj", "swiglu": "down"}.get(prev, "lm_head")
+            elif "argmax_merge" in name:
+                lab = "argmax"
+            else:
+                lab = "other"
+            labels.append((lab, end - start, name))
+            prev = lab
+        busy = sum(d for _, d, _ in labels)
+        span = st[-1][1] - st[0][0]
+        ends, idle = st[0][1], 0.0
+        for start, end, _ in st[1:]:
+            idle += max(0.0, start - ends)
+            ends = max(ends, end)
+        per_step.append(dict(labels=labels, busy=busy, span=span, gaps=idle))
+    if not per_step:
+        return dict(error="no replay found in the profile")
+    # a label's total per step: median over steps
+    names = sorted({lab for s in per_step for lab, _, _ in s["labels"]})
+    rows = {}
+    for lab in names:
+        totals = [sum(d for l2, d, _ in s["labels"] if l2 == lab) for s in per_step]
+        count = sum(1 for l2, _, _ in per_step[0]["labels"] if l2 == lab)
+        us = median(totals)
+        row = dict(us=round(us, 2), launches=count, us_per_launch=round(us / max(count, 1), 2))
+        if lab in nbytes:
+            b = nbytes[lab] * count
+            row.update(bytes=b, tb_s=round(b / (us * 1e-6) / 1e12, 3) if us else None)
+        rows[lab] = row
+    other_names = sorted({n[:50] for s in per_step for lab, _, n in s["labels"] if lab == "other"})
+    return dict(context=context, replays=len(per_step), launches=len(per_step[0]["labels"]),
+                kernels_us=round(median(s["busy"] for s in per_step), 1),
+                span_us=round(median(s["span"] for s in per_step), 1),
+                gaps_us=round(median(s["gaps"] for s in per_step), 1), rows=rows, other=other_names)
 
 
 def attention_one_token(dev, context: int = 256, layers: int = 16) -> list:
@@ -384,6 +488,87 @@ def one_stream_variants(out, argv=None, budget_s: float = 200.0, order=None) -> 
     return res
 
 
+def attention_variants(limit: int = 2048) -> dict:
+    """Named gemv_config changes for `--one-stream --variants` (session 13): ATTN (decode
+    attention in the QKV launch's tail, for context bounds up to `limit`; the engine's graphs
+    are captured for max_model_len = 2048 here), off and on, bf16 and FP8 entries alike."""
+    return {"off": {"qkv": dict(ATTN=0), "qkv_fp8": dict(ATTN=0)},
+            "attn": {"qkv": dict(ATTN=limit), "qkv_fp8": dict(ATTN=limit)}}
+
+
+# (weights, variant, decode_variant, pdl, stream, breakdown): the session-13 run, in priority order
+SESSION13_ORDER = [
+    ("bf16", "off", "auto", "off", False, True),      # the breakdown: PDL off, so times add up
+    ("bf16", "off", "auto", None, True, True),        # the engine as it is (PDL late)
+    ("bf16", "attn", "auto", None, True, True),
+    ("bf16", "off", "gqa", None, True, False),        # the unfused path with the same attention math
+    ("fp8", "off", "auto", None, True, True),
+    ("fp8", "attn", "auto", None, True, True),
+    ("bf16", "attn", "auto", "off", False, True),     # the fused step's launches, PDL off
+    ("bf16", "off", "auto", None, True, False),       # off again (drift)
+    ("fp8", "off", "auto", "off", False, True),
+]
+
+
+def one_stream_attention(out, argv=None, budget_s: float = 200.0, order=None, long_context=1900) -> dict:
+    """`--one-stream --variants` (session 13): the batch-1 step's breakdown (step_breakdown) and
+    the engine with ATTN off and on (attention_variants), bf16 and FP8, same process, graph
+    replays at context 256 and `long_context`, until budget_s has passed (one_stream_attn.json;
+    each run's tokens compared with the first run of its weights and with the gqa run)."""
+    import time
+    t0 = time.time()
+    dev = torch.device("cuda")
+    variants = attention_variants()
+    res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
+                         copy_tb_s=round(copy_bandwidth_tbs(dev), 3)), variants=variants, engine=[])
+    print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    path = out / "one_stream_attn.json"
+    tokens = {}
+    for weights, name, dv, pdl_mode, stream, bd in order or SESSION13_ORDER:
+        if time.time() - t0 > budget_s:
+            print(f"budget: skipped {weights} {name} {dv} pdl={pdl_mode}", flush=True)
+            continue
+        try:
+            r = engine_one_stream(weights, variants[name], pdl=pdl_mode, profile=False, stream=stream,
+                                  decode_variant=dv, long_context=long_context if stream else 0,
+                                  breakdown=bd)
+        except Exception as e:                       # keep what was measured
+            print(f"  {weights} {name} {dv}: {type(e).__name__}: {e}", flush=True)
+            res["engine"].append(dict(weights=weights, variant=name, error=f"{type(e).__name__}: {e}"))
+            write_json(path, res)
+            continue
+        r["variant"] = name
+        r["wall_s"] = round(time.time() - t0, 1)
+        if stream:
+            ids = r.pop("token_ids")
+            tokens.setdefault(weights, ids)
+            if dv == "gqa":
+                tokens[weights + "_gqa"] = ids
+            r["same_tokens_as_first"] = sum(a == b for a, b in zip(ids, tokens[weights])) / max(1, len(ids))
+            if weights + "_gqa" in tokens:
+                r["same_tokens_as_gqa"] = sum(a == b for a, b in zip(ids, tokens[weights + "_gqa"])) / max(1, len(ids))
+            tokens[(weights, name, dv)] = ids
+        bdn = r.get("breakdown", {})
+        print(f"  {weights} {name} decode={dv} pdl={pdl_mode}: graph {r['graph_us']:.1f} us"
+              + (f" (at {long_context}: {r['graph_long_us']:.1f})" if "graph_long_us" in r else "")
+              + (f", one stream {r['one_stream']['tokens_per_s']:.1f} tok/s, same tokens "
+                 f"{r['same_tokens_as_first']:.3f}" if stream else "")
+              + (f", launches {bdn.get('launches')}, kernels {bdn.get('kernels_us')} us, span "
+                 f"{bdn.get('span_us')}, gaps {bdn.get('gaps_us')}: "
+                 + ", ".join(f"{k} {v['us']}/{v['launches']}" for k, v in bdn.get("rows", {}).items())
+                 if bdn else "") + f", t={r['wall_s']} s", flush=True)
+        r.pop("gemv_config", None)
+        res["engine"].append(r)
+        write_json(path, res)
+    # the fused run's tokens against the unfused gqa run (the same attention math)
+    for weights in ("bf16", "fp8"):
+        a, b = tokens.get((weights, "attn", "auto")), tokens.get(weights + "_gqa")
+        if a and b:
+            res.setdefault("attn_vs_gqa_tokens", {})[weights] = sum(x == y for x, y in zip(a, b)) / len(a)
+    write_json(path, res)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,9 +582,11 @@ def main(argv=None):
     ap.add_argument("--before", default=None,
                     help="with --one-stream: a JSON gemv_config; no sweep, the engine's one stream with it "
                          "against the defaults, same run (one_stream_confirm.json)")
-    ap.add_argument("--variants", action="store_true",
-                    help="with --one-stream: the engine with each L2 PREFETCH variant "
-                         "(prefetch_variants), same run (one_stream_variants.json)")
+    ap.add_argument("--variants", nargs="?", const="attn", default=None, choices=("attn", "prefetch"),
+                    help="with --one-stream: the batch-1 step's breakdown and the engine with the "
+                         "attention in the QKV launch off and on (attn, the default: "
+                         "one_stream_attn.json), or with each L2 PREFETCH variant (prefetch: "
+                         "one_stream_variants.json), same run")
     ap.add_argument("--budget-s", type=float, default=200.0, help="with --variants: stop starting "
                     "new engines after this many seconds")
     args = ap.parse_args(argv)
@@ -407,7 +594,10 @@ def main(argv=None):
     dev = torch.device("cuda")
     out = out_dir(args.out)
     if args.one_stream and args.variants:
-        one_stream_variants(out, argv, args.budget_s)
+        if args.variants == "prefetch":
+            one_stream_variants(out, argv, args.budget_s)
+        else:
+            one_stream_attention(out, argv, args.budget_s)
         return
     if args.one_stream:
         before = None

@@ -72,4 +72,15 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
         fns["linear_residual"] = functools.partial(fns["linear_residual"],   # K > N: its own tiles
                                                    down_config=options["gemv_config"]["down"],
                                                    down_fp8_config=options["gemv_config"]["down_fp8"])
-    return SimpleNamespace(backend=backend, options=options, **fns)
+    extra = {}
+    if backend == "triton" and decode_variant in ("auto", "gqa"):
+        # decode attention inside the QKV launch (gemv.py, the config's ATTN): used by the model
+        # only while `attend_fuses` still names the two functions it replaces (a learner's own
+        # decode attention or QKV, plugged in later, turns it off)
+        from .gemv import norm_qkv_rope_store_attend_triton
+        key = CONFIG_KEYS["norm_qkv_rope_store"]
+        extra["norm_qkv_rope_store_attend"] = functools.partial(
+            norm_qkv_rope_store_attend_triton, config=options["gemv_config"][key], pdl=pdl,
+            fp8_config=options["gemv_config"][key + "_fp8"], decode_attention=fns["decode_attention"])
+        extra["attend_fuses"] = (fns["norm_qkv_rope_store"], fns["decode_attention"])
+    return SimpleNamespace(backend=backend, options=options, **fns, **extra)

@@ -287,6 +287,52 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
                 tl.atomic_xchg(counter, 0)
 
 
+@triton.jit
+def attend_group(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
+                 HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, IEEE: tl.constexpr,
+                 IDX64: tl.constexpr):
+    """The gqa kernel's work (NUM_SPLITS = 1) as a function another kernel runs in its tail: all G
+    query heads of KV head kvh of sequence b over the whole paged context, the same loop and
+    online softmax as _decode_gqa_kernel. Used by gemv's QKV launch (the program that finishes a
+    KV head's last row block runs it, see gemv._qkv_rope_store_kernel): q and this step's K/V were
+    written by OTHER programs of that launch, so every load goes through L2 (.cg), never a stale
+    L1 line. D must be a power of two >= 16 (the launcher checks)."""
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < G
+    seq_len = tl.load(sl_ptr + b)
+    q_rows = b.to(tl.int64) * (HKV * G) + kvh * G + offs_g
+    q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0,
+                cache_modifier=".cg")
+    bt_row = bt_ptr + b.to(tl.int64) * max_blocks
+    m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, D], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        k_pos = start + offs_n
+        kmask = k_pos < seq_len
+        blk = tl.load(bt_row + k_pos // BS, mask=kmask, other=0)
+        if IDX64:
+            blk = blk.to(tl.int64)
+        row_off = ((blk * BS + k_pos % BS) * HKV + kvh) * D
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0,
+                    cache_modifier=".cg")
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0,
+                    cache_modifier=".cg")
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale
+        s = tl.where(kmask[None, :], s, float("-inf"))
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, IEEE)
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=gmask[:, None])
+
+
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------

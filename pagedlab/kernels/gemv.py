@@ -13,6 +13,10 @@ matrix ONCE and does its neighbours in the same launch; a whole layer is five la
     linear_residual      h + a Wd^T
                          (n = rmsnorm(h))       and at the end: norm_lm_head  rmsnorm(h) W^T in fp32
 
+At one decode token the attention can also run inside the first launch (the config's ATTN,
+norm_qkv_rope_store_attend): the program that finishes the last row block of a KV head's group
+(its query heads, K and V) attends for that group -- four launches a layer.
+
 Two tricks make the fusion free:
   * the norm: rmsnorm(x) W^T = rsqrt(mean(x^2) + eps) * ((x * g) W^T). Every program streams all of
     x for its dot products anyway, so it sums x^2 in the same loop and scales its outputs at the end.
@@ -44,6 +48,7 @@ import triton.language as tl
 
 from ..quantization import FP8Weight, linear
 from .activation import silu_and_mul_torch, silu_and_mul_triton
+from .decode_attention import attend_group, decode_attention_torch
 from .kv_store import kv_store_torch, kv_store_triton
 from .launch import INT32_LIMIT, freeze, merge_config, num_stages
 from .pdl import launch_options, main_loop_done, pdl_flag, start as pdl_start
@@ -75,7 +80,9 @@ _FUSED_ROWS = [False]
 # columns per loop step, warps, software-pipeline stages. At one token only: ACC2D (sum over K
 # once per program), PREFETCH (about this many extra programs read the NEXT kernel's matrix
 # into L2 -- the one the model passes as `prefetch=` -- at most PREFETCH_MB of it, 0 = all;
-# see _prefetch_l2).
+# see _prefetch_l2). qkv only, one decode token: ATTN (the decode attention runs in the QKV
+# launch's tail -- norm_qkv_rope_store_attend_triton -- when the step's context bound is at most
+# ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention).
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
@@ -87,7 +94,8 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # projection into L2 (PREFETCH): graph replay 891.8 us against 901.5 / 900.5 without, same
     # run, same tokens (2026-12-02, docs/one_stream_variants.json). Prefetching in the other
     # launches too was measured only beside a change since dropped (docs/kernels.md).
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0),
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0,
+                ATTN=0, ATTN_BLOCK_N=128),
     "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
@@ -99,7 +107,8 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0),
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0,
+                    ATTN=0, ATTN_BLOCK_N=128),
     "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
@@ -448,14 +457,18 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTE
                  out.to(out_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & rmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])
 def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, pos_ptr, cs_ptr,
                            slot_ptr, ws_ptr, cnt_ptr, M, K, k_split, eps, stride_x,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HAS_SCALE: tl.constexpr,
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
                            pf_ptr=None, pf_n=0, sink_ptr=None, PF_BLOCKS: tl.constexpr = 0,
-                           PF_BLOCK: tl.constexpr = 1024):
+                           PF_BLOCK: tl.constexpr = 1024,
+                           o_ptr=None, bt_ptr=None, sl_ptr=None, gcnt_ptr=None, sm_scale=1.0,
+                           max_blocks=0, ATTN: tl.constexpr = 0, BS: tl.constexpr = 16,
+                           GP: tl.constexpr = 16, BLOCK_N: tl.constexpr = 128,
+                           IEEE: tl.constexpr = 0, KV64: tl.constexpr = 0):
     # Output heads are stacked q (HQ), k (HKV), v (HKV). Each row block is BLOCK_R pairs
     # (i, i + D/2) of one head -- exactly the pairs RoPE rotates together.
     if PF_BLOCKS > 0:
@@ -497,6 +510,28 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
                 dst = vc_ptr + (slot * HKV + (head - HQ - HKV))[:, None] * D + i[None, :]
                 tl.store(dst, a.to(vc_ptr.dtype.element_ty), mask=smask)
                 tl.store(dst + HALF, b.to(vc_ptr.dtype.element_ty), mask=smask)
+        if ATTN:
+            # Decode attention in this launch's tail (one token, one sequence: b = 0). A KV head's
+            # group needs its G query heads, its K head and its V head: NEED row blocks. Each row
+            # block's finishing program counts itself in (after a barrier, so all its threads'
+            # stores are issued; the atomic releases them); the one that completes the count runs
+            # the group's attention over the paged cache (every row it reads is in memory by then)
+            # and resets the counter for the next launch. No program waits for another.
+            G: tl.constexpr = HQ // HKV
+            NEED: tl.constexpr = (G + 2) * PER_HEAD
+            if head < HQ:
+                grp = head // G
+            elif head < HQ + HKV:
+                grp = head - HQ
+            else:
+                grp = head - HQ - HKV
+            tl.debug_barrier()
+            arrived = tl.atomic_add(gcnt_ptr + grp, 1, sem="acq_rel")
+            if arrived == NEED - 1:
+                tl.debug_barrier()
+                attend_group(q_ptr, kc_ptr, vc_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, grp * 0, grp, HKV, G,
+                             GP, BS, D, BLOCK_N, max_blocks, IEEE, KV64)
+                tl.atomic_xchg(gcnt_ptr + grp, 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -630,9 +665,17 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     if not _use_fused(x, fused):
         return _qkv_composed(rms_norm_triton, rope_triton, kv_store_triton, x, norm_w, eps, w,
                              positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads)
+    config = fp8_config if isinstance(w, FP8Weight) else config
+    return _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                       num_heads, config, pdl, prefetch)
+
+
+def _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
+                config, pdl, prefetch, attn=None):
+    """The fused QKV launch: q [T, Hq, D]; with attn = (block_table, seq_lens, scale) (one
+    token) the attention output [1, Hq, D] instead, computed in the launch's tail."""
     t, k = x.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    config = fp8_config if isinstance(w, FP8Weight) else config
     w, scale = _codes_scale(w)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and w.is_contiguous()
     assert cos_sin.is_contiguous() and cos_sin.shape[1] == d
@@ -640,11 +683,72 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(
         x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl, prefetch)
+    out = q
+    if attn is not None:
+        from .online_softmax import LOG2E
+        block_table, seq_lens, sm = attn
+        assert t == 1 and num_heads % hkv == 0 and block_table.is_contiguous()
+        key = (x.device, hkv)
+        if key not in _GROUP_COUNTERS:
+            _GROUP_COUNTERS[key] = torch.zeros(hkv, dtype=torch.int32, device=x.device)
+        out = torch.empty_like(q)
+        g = num_heads // hkv
+        kw.update(o_ptr=out, bt_ptr=block_table, sl_ptr=seq_lens, gcnt_ptr=_GROUP_COUNTERS[key],
+                  sm_scale=sm * LOG2E, max_blocks=block_table.shape[1], ATTN=1,
+                  BS=k_cache.shape[1], GP=max(16, triton.next_power_of_2(g)),
+                  BLOCK_N=config.get("ATTN_BLOCK_N", 128), IEEE=int(x.dtype == torch.float32),
+                  KV64=int(k_cache.numel() >= INT32_LIMIT))
     _qkv_rope_store_kernel[grid](x, norm_w, w, scale if scale is not None else w, q, k_cache, v_cache,
                                  positions, cos_sin, slot_mapping, ws, cnt, t, k, k_split, eps,
                                  x.stride(0), HQ=num_heads, HKV=hkv, D=d,
                                  HAS_SCALE=scale is not None, **kw)
-    return q
+    return out
+
+
+def norm_qkv_rope_store_attend_torch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
+                                     slot_mapping, num_heads, block_table, seq_lens, scale,
+                                     max_seq_len=None, prefetch=None):
+    """norm_qkv_rope_store, then decode attention for a step of decode tokens only (token i is
+    sequence i's: block_table [T, M], seq_lens [T]): the attention output [T, Hq, D]."""
+    q = norm_qkv_rope_store_torch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
+                                  slot_mapping, num_heads)
+    return decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len)
+
+
+_GROUP_COUNTERS: dict = {}    # ATTN: arrivals per KV head group (zero between launches)
+
+
+def attend_fused(x, k_cache, config, max_seq_len) -> bool:
+    """Does norm_qkv_rope_store_attend_triton run the attention in the QKV launch (ATTN)? One
+    token on the fused path, a config whose ATTN is at least the context bound (max_seq_len:
+    the tail runs one program per KV head over the whole context, so long contexts stay with
+    split_kv's many programs), a power-of-two head dim >= 16, and a GPU or the interpreter."""
+    limit = config.get("ATTN", 0)
+    d = k_cache.shape[3]
+    return (bool(limit) and x.shape[0] == 1 and max_seq_len is not None and max_seq_len <= limit
+            and d >= 16 and d & (d - 1) == 0 and k_cache.shape[2] > 0)
+
+
+def norm_qkv_rope_store_attend_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
+                                      slot_mapping, num_heads, block_table, seq_lens, scale,
+                                      max_seq_len=None, config=GEMV_CONFIG["qkv"], fused=None,
+                                      pdl=None, fp8_config=GEMV_CONFIG["qkv_fp8"], prefetch=None,
+                                      decode_attention=None):
+    """Same contract as norm_qkv_rope_store_attend_torch. With the config's ATTN (attend_fused):
+    ONE launch -- the QKV kernel, whose program that finishes a KV head group's last row block
+    then runs that group's decode attention (decode_attention.attend_group, the gqa kernel's
+    loop). Otherwise norm_qkv_rope_store_triton and `decode_attention` (the model's bound decode
+    launcher; None: decode_attention_triton's defaults), two launches."""
+    cfg = fp8_config if isinstance(w, FP8Weight) else config
+    if not (_use_fused(x, fused) and attend_fused(x, k_cache, cfg, max_seq_len)):
+        q = norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
+                                       slot_mapping, num_heads, config=config, fused=fused, pdl=pdl,
+                                       fp8_config=fp8_config, prefetch=prefetch)
+        if decode_attention is None:
+            from .decode_attention import decode_attention_triton as decode_attention
+        return decode_attention(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len)
+    return _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                       num_heads, cfg, pdl, prefetch, attn=(block_table, seq_lens, scale))
 
 
 def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused=None, pdl=None,
