@@ -493,7 +493,9 @@ def attention_variants(limit: int = 2048) -> dict:
     attention in the QKV launch's tail, for context bounds up to `limit`; the engine's graphs
     are captured for max_model_len = 2048 here), off and on, bf16 and FP8 entries alike."""
     return {"off": {"qkv": dict(ATTN=0), "qkv_fp8": dict(ATTN=0)},
-            "attn": {"qkv": dict(ATTN=limit), "qkv_fp8": dict(ATTN=limit)}}
+            "attn": {"qkv": dict(ATTN=limit), "qkv_fp8": dict(ATTN=limit)},
+            "attn256": {"qkv": dict(ATTN=limit, ATTN_BLOCK_N=256),
+                        "qkv_fp8": dict(ATTN=limit, ATTN_BLOCK_N=256)}}
 
 
 # (weights, variant, decode_variant, pdl, stream, breakdown): the session-13 run, in priority order
@@ -505,6 +507,7 @@ SESSION13_ORDER = [
     ("fp8", "off", "auto", None, True, True),
     ("fp8", "attn", "auto", None, True, True),
     ("bf16", "attn", "auto", "off", False, True),     # the fused step's launches, PDL off
+    ("bf16", "attn256", "auto", None, True, False),   # the tail's attention in tiles of 256 keys
     ("bf16", "off", "auto", None, True, False),       # off again (drift)
     ("fp8", "off", "auto", "off", False, True),
 ]
