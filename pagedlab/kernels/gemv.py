@@ -83,6 +83,9 @@ _FUSED_ROWS = [False]
 # see _prefetch_l2). qkv only, one decode token: ATTN (the decode attention runs in the QKV
 # launch's tail -- norm_qkv_rope_store_attend_triton -- when the step's context bound is at most
 # ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention).
+# ATTN is off: measured exact but SLOWER on the H200 (2026-12-02, docs/kernels.md "One stream,
+# session 13": bf16 graph 983.0 us against 890.0, FP8 688.6 against 680.0 -- the tail runs one
+# program per KV head after the GEMV has drained).
 # `python -m pagedlab bench gemv --tune` sweeps them and writes the best as JSON; a file named by
 # the environment variable PAGEDLAB_GEMV_CONFIG replaces entries of these defaults at import.
 # Read-only afterwards: pass another config (the launchers' `config=`) instead of changing it.
