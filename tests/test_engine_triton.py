@@ -70,3 +70,5 @@ def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
     got = tiny_llm(attention_backend="triton", kernel_options=dict(gemv_config={"qkv": tiles}), **kw)
     assert got.generate(prompt, sp)[0].token_ids == ref
     assert fused.count(True) >= 2 * got.model.config.num_layers      # two decode steps, every layer
+    plain = tiny_llm(attention_backend="triton", **kw)                # ATTN off (the default): the
+    assert not hasattr(plain.model.kernels, "norm_qkv_rope_store_attend")    # model's two launches

@@ -73,12 +73,14 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
                                                    down_config=options["gemv_config"]["down"],
                                                    down_fp8_config=options["gemv_config"]["down_fp8"])
     extra = {}
-    if backend == "triton" and decode_variant in ("auto", "gqa"):
-        # decode attention inside the QKV launch (gemv.py, the config's ATTN): used by the model
-        # only while `attend_fuses` still names the two functions it replaces (a learner's own
-        # decode attention or QKV, plugged in later, turns it off)
+    key = CONFIG_KEYS["norm_qkv_rope_store"]
+    attn_on = any(options["gemv_config"][k].get("ATTN") for k in (key, key + "_fp8"))
+    if backend == "triton" and decode_variant in ("auto", "gqa") and attn_on:
+        # decode attention inside the QKV launch (gemv.py, the config's ATTN; off by default: the
+        # model then takes its two launches as before): used by the model only while
+        # `attend_fuses` still names the two functions it replaces (a learner's own decode
+        # attention or QKV, plugged in later, turns it off)
         from .gemv import norm_qkv_rope_store_attend_triton
-        key = CONFIG_KEYS["norm_qkv_rope_store"]
         extra["norm_qkv_rope_store_attend"] = functools.partial(
             norm_qkv_rope_store_attend_triton, config=options["gemv_config"][key], pdl=pdl,
             fp8_config=options["gemv_config"][key + "_fp8"], decode_attention=fns["decode_attention"])
