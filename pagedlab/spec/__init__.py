@@ -30,13 +30,15 @@ overwrites them.
 The overlap loop (engine.py) runs a step ahead only where nobody guesses (Speculator.wants_sync):
 a proposal starts from the last token, and a verify step's next rows depend on how many guesses
 it keeps, which the host learns only by reading it. Text where guessing does not pay pauses its
-requests (AdaptiveK), so it decodes as fast as without speculation.
+requests (AdaptiveK); a batch where it does not pay -- a verify step costs the whole batch its
+step ahead -- closes the gate (gate.py BatchGate): plain steps, run ahead, and a probe now and then.
 
 A verify step's few rows (k + 1 per sequence) run the same fused decode kernels as one row
 (kernels/gemv.py fused_rows: rows padded to 16, tensor-core dots), captured in the decode graphs.
 
     method "ngram"  ngram.py   prompt lookup: the last n tokens matched earlier in the sequence
     method "draft"  draft.py   a smaller model with the same tokenizer guesses greedily
+    gate.py                    speculation on or off for the whole batch (tokens gained vs step cost)
 """
 from .accept import AdaptiveK, accept_greedy, emit
 from .config import SpeculativeConfig
