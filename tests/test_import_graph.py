@@ -23,7 +23,7 @@ ROOMS = [
     ("kernels", ["kernels", "kernels.*", "quantization"]),
     ("model/attention", ["attention", "model", "sampling", "parallel", "parallel.shard"]),
     ("kv/blocks/scheduler", ["kv_cache", "prefix_cache", "plugged_allocator", "request", "scheduler", "trace",
-                             "spec.accept", "spec.ngram", "spec.rejection", "spec.speculator"]),
+                             "spec.accept", "spec.gate", "spec.ngram", "spec.rejection", "spec.speculator"]),
     ("runner/engine", ["runner", "cuda_graph", "engine", "plugins", "parallel.group", "spec", "spec.draft"]),
     ("engine_core/llm", ["engine_core", "output_processor", "streaming", "rank", "engine_args", "llm", "warmup",
                          "parallel.data_parallel", "parallel.workers", "parallel.world"]),
