@@ -33,13 +33,13 @@ def can_speculate(req) -> bool:
 
 
 def nearest(times: dict, b: int):
-    """The running mean measured at the batch size nearest b, within a quarter of b (+1); None."""
-    best = None
-    for size, t in times.items():
-        d = abs(size - b)
-        if d <= b / 4 + 1 and (best is None or d < best[0]):
-            best = (d, t)
-    return best and best[1]
+    """The running mean measured at the batch size nearest b, within a quarter of b (+1); None.
+    (Looked up outward from b: a server's dict may hold every size up to its slots.)"""
+    for d in range(int(b / 4 + 1) + 1):
+        for size in (b - d, b + d):
+            if size in times:
+                return times[size]
+    return None
 
 
 class Speculator:
@@ -74,12 +74,15 @@ class Speculator:
         runs ahead at all): the ratio measured at the batch size nearest b where both were
         measured (about b); None: nowhere yet."""
         plain = self.times["ahead"] if self.times["ahead"] else self.times["sync"]
-        best = None
-        for size, verify in self.times["verify"].items():
-            p = nearest(plain, size)
-            if p and (best is None or abs(size - b) < best[0]):
-                best = (abs(size - b), verify / p)
-        return best and best[1]
+        verify = self.times["verify"]
+        if not verify or not plain:
+            return None
+        far = max(max(verify) - b, b - min(verify))
+        for d in range(far + 1):                     # outward from b: the nearest size that has both
+            for size in (b - d, b + d):
+                if size in verify and (p := nearest(plain, size)):
+                    return verify[size] / p
+        return None
 
     @atomic
     def plan(self, sched, step) -> None:
