@@ -452,17 +452,23 @@ def prefetch_variants(programs: int = 256) -> dict:
     }
 
 
+def variants_result(argv, variants) -> dict:
+    """The result of a `--one-stream --variants` run before its engines: versions, the device and
+    its copy bandwidth measured now (printed), the variants, no engine runs yet."""
+    meta = dict(metadata("python -m pagedlab bench gemv", argv),
+                copy_tb_s=round(copy_bandwidth_tbs(torch.device("cuda")), 3))
+    print(device_line(meta), "copy", meta["copy_tb_s"], "TB/s", flush=True)
+    return dict(meta=meta, variants=variants, engine=[])
+
+
 def one_stream_variants(out, argv=None, budget_s: float = 200.0, order=None) -> dict:
     """`--one-stream --variants`: the engine's one stream and batch-1 graph replay with each of
     prefetch_variants(), bf16 and FP8, in `order`, same process, until budget_s has passed
     (one_stream_variants.json; each run's tokens compared with the first run of its weights)."""
     import time
     t0 = time.time()
-    dev = torch.device("cuda")
     variants = prefetch_variants()
-    res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
-                         copy_tb_s=round(copy_bandwidth_tbs(dev), 3)), variants=variants, engine=[])
-    print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    res = variants_result(argv, variants)
     path = out / "one_stream_variants.json"
     order = order or [("bf16", "off"), ("bf16", "pf_o"), ("fp8", "off"), ("fp8", "pf_o"),
                       ("bf16", "pf_o_gu"), ("bf16", "pf_chain"), ("fp8", "pf_chain"),
@@ -520,11 +526,8 @@ def one_stream_attention(out, argv=None, budget_s: float = 200.0, order=None, lo
     each run's tokens compared with the first run of its weights and with the gqa run)."""
     import time
     t0 = time.time()
-    dev = torch.device("cuda")
     variants = attention_variants()
-    res = dict(meta=dict(metadata("python -m pagedlab bench gemv", argv),
-                         copy_tb_s=round(copy_bandwidth_tbs(dev), 3)), variants=variants, engine=[])
-    print(device_line(res["meta"]), "copy", res["meta"]["copy_tb_s"], "TB/s", flush=True)
+    res = variants_result(argv, variants)
     path = out / "one_stream_attn.json"
     tokens = {}
     for weights, name, dv, pdl_mode, stream, bd in order or SESSION13_ORDER:
