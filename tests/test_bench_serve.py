@@ -75,6 +75,27 @@ def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
     assert "inf" in out and "goodput" in out
 
 
+def test_a_burst_from_client_processes(server, tmp_path, capsys):
+    """--client-procs: the second burst is dealt to 2 spawned client processes; every request is
+    answered in full, in the jobs' order, and the server counted each token once."""
+    argv = ["--url", server.url, "--rate", "inf,inf", "--client-procs", "1,2", "--num-prompts", "7",
+            "--input-len", "9", "--output-len", "5", "--range-ratio", "0.5", "--ignore-eos", "--seed", "5",
+            "--warmup", "0", "--out", str(tmp_path), "--no-progress"]
+    tokens_before = generated_tokens(server)
+    out = run(argv, capsys)
+    one, two = json.loads((tmp_path / "serve_bench.json").read_text())["results"]
+    jobs = bench.make_workload(bench.build_parser().parse_args(argv))
+    want = sum(j.output_len for j in jobs)
+    assert (one["client_procs"], two["client_procs"]) == (1, 2)
+    for r in (one, two):
+        assert r["requested"] == r["completed"] == 7 and r["failed"] == 0
+        assert r["total_output_tokens"] == want and r["total_prompt_tokens"] == sum(len(j.prompt) for j in jobs)
+        check_ordered(r["ttft_ms"])
+        assert r["ttft_ms"]["p99"] <= r["e2e_latency_ms"]["p99"] <= 1e3 * r["duration_s"]
+    assert generated_tokens(server) - tokens_before == 2 * want
+    assert "clients" in out
+
+
 def test_word_prompts_and_a_trace(server, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     pairs = [(5, 3), (17, 2), (9, 4)]
@@ -107,6 +128,7 @@ def test_poisson_arrivals_are_seeded():
     (["--num-prompts", "0"], "--num-prompts"), (["--range-ratio", "1"], "--range-ratio"),
     (["--slo-ttft-ms", "-5"], "--slo-ttft-ms"), (["--url", "localhost:8000"], "--url"),
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"), (["--offline-passes", "1"], "--offline-passes"),
+    (["--client-procs", "0"], "--client-procs"), (["--client-procs", "2,x"], "--client-procs"),
 ])
 def test_bad_flags_are_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:

@@ -333,36 +333,104 @@ def step_kinds(steps, seconds, prompt_steps, prompt_seconds) -> dict:
             "decode_step_ms": 1e3 * (seconds - prompt_seconds) / decode if decode else None}
 
 
-async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args) -> dict:
-    """Send every job at its Poisson arrival time, all streams concurrently; wait for all."""
-    import httpx
+async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, procs: int = 1) -> dict:
+    """Send every job at its Poisson arrival time, all streams concurrently; wait for all.
+    procs > 1: the jobs are dealt round-robin to that many client processes, each with its own
+    event loop and connections, started together (see send_from_processes)."""
     from tqdm.auto import tqdm
-    counters = engine_counters(url)
     times = arrival_times(len(jobs), rate, args.seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
+    how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream)
+    if procs > 1:       # the engine's counters are read once the clients are up, just before they go
+        results, duration, counters = await asyncio.to_thread(
+            send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
+    else:
+        counters = engine_counters(url)
+        bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
+        start = time.perf_counter()
+        results = await send_all(url, model, jobs, times, how, start, lambda: bar.update(1))
+        duration = time.perf_counter() - start
+        bar.close()
+    return (summarize(rate, results, duration, args) | {"client_procs": procs}
+            | engine_step(counters, engine_counters(url)))
+
+
+async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
+                   done=None) -> list[Result]:
+    """One client (one event loop, its own connections): each job sent at start + its arrival time
+    (perf_counter clock), every stream read concurrently."""
+    import httpx
     if client_library() == "aiohttp":
         import aiohttp
-        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=args.timeout_s),
+        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=how["timeout_s"]),
                                        connector=aiohttp.TCPConnector(limit=0))
         one = send_aiohttp
     else:
-        client = httpx.AsyncClient(timeout=httpx.Timeout(args.timeout_s), limits=limits)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        client = httpx.AsyncClient(timeout=httpx.Timeout(how["timeout_s"]), limits=limits)
         one = send
     async with client:
-        start = time.perf_counter()
         tasks = []
         for job, at in zip(jobs, times):
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(one(client, url, model, job, args.ignore_eos, not args.no_stream))
-            task.add_done_callback(lambda _t: bar.update(1))
+            task = asyncio.create_task(one(client, url, model, job, how["ignore_eos"], how["stream"]))
+            if done is not None:
+                task.add_done_callback(lambda _t: done())
             tasks.append(task)
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    bar.close()
-    return summarize(rate, results, duration, args) | engine_step(counters, engine_counters(url))
+        return list(await asyncio.gather(*tasks))
+
+
+def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict, procs: int,
+                        before_go=lambda: None):
+    """--client-procs N: one Python client process is itself a bottleneck for a burst (its one loop
+    opens every connection, writes every request and reads every stream in turn), while a real
+    burst comes from many clients. N spawned processes take every N-th job, wait at a common
+    start (time.monotonic: one clock for every process of the machine) and send theirs; the
+    results come back in the jobs' order, the duration is the common start -> the last answer.
+    Returns (results, duration_s, what before_go() returned just before the start)."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    ready, results = ctx.Queue(), ctx.Queue()
+    go = ctx.Event()
+    share = [(list(range(i, len(jobs), procs))) for i in range(procs)]
+    start_at = ctx.Value("d", 0.0)
+    workers = [ctx.Process(target=_client_process, daemon=True,
+                           args=(i, url, model, [jobs[j] for j in idx], [times[j] for j in idx], how,
+                                 ready, go, start_at, results)) for i, idx in enumerate(share)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in workers:
+            ready.get(timeout=120)          # every client imported and waiting
+        before = before_go()
+        start_at.value = time.monotonic() + 0.05
+        go.set()
+        got = {}
+        for _ in workers:
+            i, res, end = results.get(timeout=how["timeout_s"] + 120)
+            got[i] = (res, end)
+    finally:
+        for w in workers:
+            w.join(5)
+            if w.is_alive():
+                w.kill()
+    out: list = [None] * len(jobs)
+    for i, idx in enumerate(share):
+        for j, r in zip(idx, got[i][0]):
+            out[j] = r
+    return out, max(end for _, end in got.values()) - start_at.value, before
+
+
+def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
+    ready.put(i)
+    go.wait()
+    delay = start_at.value - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    start = time.perf_counter()
+    res = asyncio.run(send_all(url, model, jobs, times, how, start))
+    results.put((i, res, time.monotonic()))
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -425,6 +493,16 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def parse_procs(text: str) -> list[int]:
+    try:
+        procs = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        bad(f"--client-procs must be a comma-separated list of whole numbers, got {text!r}")
+    if not procs or min(procs) < 1 or max(procs) > 64:
+        bad(f"--client-procs must be between 1 and 64, got {text!r}")
+    return procs
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pagedlab bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -448,6 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "the README's figures come from --out figures)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-stream", action="store_true", help="whole answers (stream: false) instead of SSE")
+    p.add_argument("--client-procs", default="1", metavar="N[,N..]",
+                   help="client processes sending each rate's requests (default 1); a list is taken in "
+                        "turn across the rates: `--rate inf,inf --client-procs 1,4` sends the first burst "
+                        "from one process and the second from four")
     p.add_argument("--serve", default=None, metavar="ARGS",
                    help="start `python -m pagedlab serve ARGS` here first (on a free port; --url is "
                         "then ignored) and stop it at the end, e.g. \"--model random:llama-3.2-1b --slots 256\"")
@@ -503,6 +585,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     rates = check(args)
+    procs = parse_procs(args.client_procs)
     if args.offline and not args.serve:
         bad("--offline needs --serve ARGS (the engine to run the same requests through)")
     if args.offline_passes < 2:
@@ -517,7 +600,8 @@ def main(argv=None) -> int:
         async def everything():
             if args.warmup:
                 await asyncio.gather(*(send_one(url, model, j, args) for j in jobs[:args.warmup]))
-            return [await run_rate(url, model, jobs, r, args) for r in rates]
+            return [await run_rate(url, model, jobs, r, args, procs[i % len(procs)])
+                    for i, r in enumerate(rates)]
         results = asyncio.run(everything())
     finally:
         if server:
@@ -568,14 +652,15 @@ def table(results: list[dict]) -> str:
     def f(x):
         return "-" if x is None else f"{x:.1f}"
     rows = [f"{'rate':>6} {'done':>6} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} "
-            f"{'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'goodput':>8} {'step ms':>8} {'batch':>6}"]
+            f"{'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'goodput':>8} {'step ms':>8} {'batch':>6} {'clients':>7}"]
     for r in results:
         rows.append(f"{r['rate']!s:>6} {r['completed']:>3}/{r['requested']:<2} {r['request_throughput']:7.2f} "
                     f"{r['output_throughput']:8.1f} {f(r['ttft_ms']['p50']):>9} {f(r['ttft_ms']['p99']):>8} "
                     f"{f(r['tpot_ms']['p50']):>9} {f(r['tpot_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
-                    f"{r['goodput']:8.2f} {f(r.get('engine_step_ms')):>8} {f(r.get('engine_batch')):>6}")
+                    f"{r['goodput']:8.2f} {f(r.get('engine_step_ms')):>8} {f(r.get('engine_batch')):>6} "
+                    f"{r.get('client_procs', 1):>7}")
     return "\n".join(rows) + ("\n(latencies in ms; goodput: requests/s within the SLO; step ms / batch: the "
-                              "engine's mean step and decode batch during the run, from /metrics)")
+                              "engine's mean step and decode batch during the run, from /metrics; clients: client processes)")
 
 
 # -- the server and the offline run, in this command ----------------------------------------------
