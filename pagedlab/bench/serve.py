@@ -340,8 +340,8 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     from tqdm.auto import tqdm
     times = arrival_times(len(jobs), rate, args.seed)
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream)
-    if procs > 1:       # the engine's counters are read once the clients are up, just before they go
-        results, duration, counters = await asyncio.to_thread(
+    if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
+        results, duration, counters, after = await asyncio.to_thread(      # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
     else:
         counters = engine_counters(url)
@@ -350,8 +350,8 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
         results = await send_all(url, model, jobs, times, how, start, lambda: bar.update(1))
         duration = time.perf_counter() - start
         bar.close()
-    return (summarize(rate, results, duration, args) | {"client_procs": procs}
-            | engine_step(counters, engine_counters(url)))
+        after = engine_counters(url)
+    return summarize(rate, results, duration, args) | {"client_procs": procs} | engine_step(counters, after)
 
 
 async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
@@ -382,13 +382,14 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
 
 
 def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict, procs: int,
-                        before_go=lambda: None):
+                        counters=lambda: None):
     """--client-procs N: one Python client process is itself a bottleneck for a burst (its one loop
     opens every connection, writes every request and reads every stream in turn), while a real
     burst comes from many clients. N spawned processes take every N-th job, wait at a common
     start (time.monotonic: one clock for every process of the machine) and send theirs; the
     results come back in the jobs' order, the duration is the common start -> the last answer.
-    Returns (results, duration_s, what before_go() returned just before the start)."""
+    Returns (results, duration_s, counters() just before the start, counters() once the last
+    answer is in -- before the clients exit)."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
@@ -403,13 +404,14 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     try:
         for _ in workers:
             ready.get(timeout=120)          # every client imported and waiting
-        before = before_go()
+        before = counters()
         start_at.value = time.monotonic() + 0.05
         go.set()
         got = {}
         for _ in workers:
             i, res, end = results.get(timeout=how["timeout_s"] + 120)
             got[i] = (res, end)
+        after = counters()
     finally:
         for w in workers:
             w.join(5)
@@ -419,7 +421,7 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     for i, idx in enumerate(share):
         for j, r in zip(idx, got[i][0]):
             out[j] = r
-    return out, max(end for _, end in got.values()) - start_at.value, before
+    return out, max(end for _, end in got.values()) - start_at.value, before, after
 
 
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
