@@ -141,9 +141,9 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
     want = run_stream(plain, prompts, params, seed=1)
     sc = NGRAM
     if variant == "overlap+adaptive":       # a verify step costs 2.5 plain ones (not timed: the same pauses each run),
-        from pagedlab.spec.speculator import Speculator          # and 1.3 for the batch's gate
+        from pagedlab.spec.speculator import Speculator          # and 1.2 for the batch's gate
         monkeypatch.setattr(Speculator, "cost", property(lambda self: 2.5))
-        monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.3)
+        monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.2)
         sc = dict(NGRAM, adaptive=True)
     spec = tiny_llm(speculative_config=sc, **kw)
     got = run_stream(spec, prompts, params, seed=2, abort_at=(3, 7))

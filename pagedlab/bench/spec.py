@@ -107,6 +107,7 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
     overlapped0 = eng.num_overlapped
     gate = speculator.gate if speculator is not None else None
     gate0 = {k: getattr(gate, k) for k in ("num_closes", "num_probes", "num_plain_steps")} if gate else {}
+    kinds0 = dict(speculator.num_steps) if speculator is not None else {}
     outs, wall = run_once(llm, prompts, params, real, batched)
     n = sum(len(o.token_ids) for o in outs)
     proposed = sum(o.num_spec_proposed for o in outs)
@@ -121,6 +122,12 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
                 # the batch's gate: closes, probes and plain steps it made this run (None: gate off)
                 gate=None if speculator is None or speculator.gate is None else
                 {k: getattr(speculator.gate, k) - gate0[k] for k in gate0},
+                # decode steps by kind: verify (someone guessed), ahead (planned while the previous
+                # one ran: the overlap loop's pace), sync (plain, the previous step read first)
+                step_kinds=None if speculator is None else
+                {k: v - kinds0[k] for k, v in speculator.num_steps.items()},
+                # what the gate weighed at the run's batch size at its end: a verify step / a plain one
+                batch_cost=None if speculator is None else speculator.batch_cost(len(prompts) if batched else 1),
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
                 overlapped_steps=eng.num_overlapped - overlapped0,
                 token_ids=[o.token_ids for o in outs])

@@ -21,15 +21,32 @@ steps; a step with nobody decoding (the engine ran dry) starts afresh, open. Whe
 batch size is not known yet (no plain step run ahead near it), the gate closes for
 `calibrate_steps` steps to measure it; at a size where only other sizes were measured, the ratio
 measured at the nearest one stands in.
+
+What a switch costs (session 14, measured on the H200: docs/speculative.md). Each open phase costs
+more than its verify steps: the plain step before it is read before anyone can guess (a proposal
+starts from the last token) and the step after it starts with nothing in flight. So the phases
+are kept short where they do not pay:
+- a batch's first phase starts at `cost + start_margin` (not the optimistic `start_gain`, which one
+  stream keeps: a copy often starts after a few words of its own), so that text without copies
+  closes after `min_steps` verify steps rather than after the optimistic start has worn off;
+- a probe is judged after `probe_steps` verify steps (its own measure, not a running mean); one
+  that pays stays open and is judged by the running mean from then on.
+`gain` itself is what the step emits per sequence -- of the sequences the batch waits for: when
+no request waits for a slot (nothing would take a finished one's place), the batch lasts as long
+as its longest request, and guesses kept by requests that will finish early anyway do not shorten
+it; Speculator.settle then passes the kept guesses of the half of the batch with the most tokens
+still to go (`laggards`; 0: every sequence, session 13's rule).
 """
 from __future__ import annotations
 
 
 class BatchGate:
     def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
-                 weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0):
+                 weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0,
+                 start_margin: float = 0.5, probe_steps: int = 1, laggards: int = 1):
         self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
         self.weight, self.calibrate_steps, self.start_gain = weight, calibrate_steps, start_gain
+        self.start_margin, self.probe_steps, self.laggards = start_margin, probe_steps, laggards
         self.num_closes = self.num_plain_steps = self.num_probes = 0     # what it did (bench, tests)
         self.reset()
 
@@ -42,6 +59,8 @@ class BatchGate:
                                       # (None in a probe: judged by what it measures alone)
         self.run = 0              # verify steps in this open phase
         self.streak = 0           # closes after short probes, in a row (each wait twice as long)
+        self.fresh = True         # no verify step since the engine ran dry (the start gain stands)
+        self.probing = False      # this open phase is a probe (judged after probe_steps)
 
     def closed_next(self) -> bool:
         """Will the next step be a plain one (nothing asked of the proposer)?"""
@@ -59,19 +78,24 @@ class BatchGate:
         self.wait -= 1
         self.num_plain_steps += 1
         if self.wait == 0:                  # the next step probes
-            self.open, self.gain, self.run = True, None, 0
+            self.open, self.gain, self.run, self.probing = True, None, 0, True
             self.num_probes += 1
         return False
 
-    def verified(self, num_seqs: int, kept: int, cost: float | None) -> None:
-        """A verify step of `num_seqs` decoding sequences kept `kept` guesses in all; `cost`: what
-        such a step costs against a plain one run ahead (None: not known yet)."""
+    def verified(self, num_seqs: int, kept: int, cost: float | None, batch: int | None = None) -> None:
+        """A verify step: `num_seqs` decoding sequences (those the gain is read over) kept `kept`
+        guesses in all; `cost`: what such a step costs against a plain one run ahead (None: not
+        known yet); `batch`: how many sequences decoded in that step (default num_seqs)."""
         if not self.open or num_seqs <= 0:
             return
+        if self.fresh:            # a batch's first phase starts just above the cost, not optimistic
+            self.fresh = False
+            if (batch or num_seqs) > 1 and cost is not None and self.gain is not None:
+                self.gain = min(self.gain, cost + self.start_margin)
         g = 1 + kept / num_seqs
         self.gain = g if self.gain is None else self.gain + self.weight * (g - self.gain)
         self.run += 1
-        if self.run < self.min_steps:
+        if self.run < (self.probe_steps if self.probing else self.min_steps):
             return
         if cost is None:                    # measure a plain step at this size first
             self.open, self.wait = False, self.calibrate_steps
@@ -81,3 +105,4 @@ class BatchGate:
             self.open, self.wait = False, min(self.pause << min(self.streak, 16), self.max_pause)
             self.streak += 1
             self.num_closes += 1
+        self.probing = self.probing and not self.open

@@ -62,6 +62,7 @@ class Speculator:
         # the same per kind and batch size (decoding sequences) for the gate: "verify", "ahead" (a
         # plain step planned while the previous one ran: the overlap loop's pace), "sync" (other plain)
         self.times = {"verify": {}, "ahead": {}, "sync": {}}
+        self.num_steps = {"verify": 0, "ahead": 0, "sync": 0}   # decode steps planned, per kind (bench)
         self._last = None        # (time, batch, guessed, ran ahead) of the latest plan()
 
     @property
@@ -88,6 +89,12 @@ class Speculator:
     def plan(self, sched, step) -> None:
         """Guesses for this step's decodes, within the token budget and the blocks free now
         (never preempting anyone for a guess)."""
+        self._plan(sched, step)
+        if step.decode:
+            kind = "verify" if step.guessed else "ahead" if self._last[3] else "sync"
+            self.num_steps[kind] += 1
+
+    def _plan(self, sched, step) -> None:
         prev = self._last and self._last[1]          # the step planned last time (now complete)
         self._time_last_step(time.perf_counter(), idle=not step.decode)
         for r in sched.admitted:
@@ -175,6 +182,26 @@ class Speculator:
         ask = self.adaptive.will_propose
         return any(r.spec_token_ids or (ask(r) and can_speculate(r)) for r in sched.admitted)
 
+    def gate_sample(self, sched, decode: list, kept_by: dict) -> tuple[int, int]:
+        """(sequences, guesses they kept) that the gate's gain reads after a verify step: every
+        decoding sequence, or -- with the gate's `laggards` and nobody waiting for a slot -- the
+        half of them with the most tokens still to go before this step (the batch lasts as long as
+        they do; what the others keep ends them sooner, and nothing takes their place)."""
+        if not (self.gate.laggards and not sched.waiting and len(decode) > 2):
+            return len(decode), sum(kept_by.values())
+        left = []
+        for r in decode:
+            if r.status is RequestStatus.FINISHED and r not in kept_by:
+                continue                             # (ended at its first token: nothing to wait for)
+            k = kept_by.get(r, 0)
+            left.append((min(r.params.max_new_tokens - len(r.output_token_ids),
+                             sched.max_model_len - r.num_tokens) + k, k))
+        if not left:
+            return len(decode), sum(kept_by.values())
+        bar = sorted(t for t, _ in left)[len(left) // 2]         # the upper median of what is left
+        lag = [k for t, k in left if t >= bar]
+        return len(lag), sum(lag)
+
     @staticmethod
     def rows(batch, tokens: list[int]) -> tuple[list[int], list[list[int]]]:
         """The runner's per-row tokens -> (first token per sampled request, all rows of each).
@@ -198,7 +225,7 @@ class Speculator:
         now, bs = time.perf_counter(), sched.block_size
         cost = self.cost
         log = {}                                     # for the trace: request id -> (guesses, kept)
-        kept_in_step = 0
+        kept_by = {}                                 # request -> guesses it kept (for the gate)
         for r, targets in zip(batch.sampled, per_req or ()):
             guesses = r.spec_token_ids
             if not guesses:
@@ -224,7 +251,7 @@ class Speculator:
                 self.on_verify(r, guesses, out[:1 + kept])
             r.num_spec_proposed += len(guesses)
             r.num_spec_accepted += kept
-            kept_in_step += kept
+            kept_by[r] = kept
             self.num_proposed += len(guesses)
             self.num_accepted += kept
             if r.status is not RequestStatus.FINISHED:
@@ -237,7 +264,8 @@ class Speculator:
             batch.spec_log = log
             if self.gate is not None:
                 b = len(batch.decode)
-                self.gate.verified(b, kept_in_step, self.batch_cost(b))
+                n, kept = self.gate_sample(sched, batch.decode, kept_by)
+                self.gate.verified(n, kept, self.batch_cost(b), batch=b)
         forget = getattr(self.proposer, "forget_except", None)
         if forget is not None:
             forget({r.request_id for r in sched.admitted})
