@@ -235,6 +235,7 @@ def test_the_gain_is_read_over_the_sequences_the_batch_waits_for():
     def req(out, max_new=100, status=RequestStatus.RUNNING):
         return Req(status=status, params=NS(max_new_tokens=max_new), output_token_ids=[0] * out, num_tokens=10 + out)
     s = Speculator(proposer=None, k_max=4)
+    s.gate.laggards = 1
     sched = NS(waiting=[], max_model_len=1000)
     a, b, c, d = req(50), req(50), req(10), req(12)        # (outputs after the step)
     kept = {a: 4, b: 4, d: 1}                              # c guessed nothing or was not asked
