@@ -235,7 +235,7 @@ def test_the_gain_is_read_over_the_sequences_the_batch_waits_for():
     def req(out, max_new=100, status=RequestStatus.RUNNING):
         return Req(status=status, params=NS(max_new_tokens=max_new), output_token_ids=[0] * out, num_tokens=10 + out)
     s = Speculator(proposer=None, k_max=4)
-    s.gate.laggards = 1
+    s.gate.laggards = 0.5
     sched = NS(waiting=[], max_model_len=1000)
     a, b, c, d = req(50), req(50), req(10), req(12)        # (outputs after the step)
     kept = {a: 4, b: 4, d: 1}                              # c guessed nothing or was not asked
@@ -249,8 +249,12 @@ def test_the_gain_is_read_over_the_sequences_the_batch_waits_for():
     assert s.gate_sample(short, [c, d, e], {c: 2}) == (2, 2)
     assert s.gate_sample(sched, [a, b], {a: 4}) == (2, 4)  # two: both
     assert s.gate_sample(NS(waiting=[object()], max_model_len=1000), [a, b, c, d], kept) == (4, 9)
-    s.gate.laggards = 0
+    s.gate.laggards = 0.75                                 # three quarters: a or b too (tied: both)
     assert s.gate_sample(sched, [a, b, c, d], kept) == (4, 9)
+    s.gate.laggards = 0.25                                 # a quarter: c alone
+    assert s.gate_sample(sched, [a, b, c, d], kept) == (1, 0)
+    for s.gate.laggards in (0, 1):                         # every sequence
+        assert s.gate_sample(sched, [a, b, c, d], kept) == (4, 9)
 
 
 def test_guesses_kept_by_requests_ending_early_do_not_keep_the_gate_open(fixed_costs):
@@ -261,7 +265,7 @@ def test_guesses_kept_by_requests_ending_early_do_not_keep_the_gate_open(fixed_c
     def right(call, prompt):
         return prompt in copiers
     firsts = {}
-    for lag in (1, 0):
+    for lag in (0.5, 0.0):
         copiers = set()
         _, _, _, prompts = run(right=lambda call, p: False, laggards=lag)       # (the prompts: same seed)
         copiers = {tuple(p) for p in prompts[::2]}
@@ -269,7 +273,7 @@ def test_guesses_kept_by_requests_ending_early_do_not_keep_the_gate_open(fixed_c
         closed = [i for i, s in enumerate(steps) if s[0]]
         firsts[lag] = sum(s[1] for s in steps[:closed[0]]) if closed else len(steps)
         assert spec.num_accepted > 0
-    assert firsts[1] <= 4 < firsts[0], firsts
+    assert firsts[0.5] <= 4 < firsts[0.0], firsts
 
 
 def test_bench_spec_batch_gate_variants(tmp_path):

@@ -34,8 +34,8 @@ are kept short where they do not pay:
 `gain` itself is what the step emits per sequence -- of the sequences the batch waits for: when
 no request waits for a slot (nothing would take a finished one's place), the batch lasts as long
 as its longest request, and guesses kept by requests that will finish early anyway do not shorten
-it; Speculator.settle then passes the kept guesses of the half of the batch with the most tokens
-still to go (`laggards`; 0: every sequence, session 13's rule).
+it; Speculator.settle then passes the kept guesses of the share `laggards` of the batch with the
+most tokens still to go (0 or 1: every sequence, session 13's rule).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 class BatchGate:
     def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
                  weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0,
-                 start_margin: float = 0.5, probe_steps: int = 1, laggards: int = 1):
+                 start_margin: float = 0.5, probe_steps: int = 1, laggards: float = 0.5):
         self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
         self.weight, self.calibrate_steps, self.start_gain = weight, calibrate_steps, start_gain
         self.start_margin, self.probe_steps, self.laggards = start_margin, probe_steps, laggards

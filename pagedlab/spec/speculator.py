@@ -13,6 +13,7 @@ taken for guesses that were not kept.
 """
 from __future__ import annotations
 
+import math
 import time
 
 from ..interrupts import atomic
@@ -184,10 +185,12 @@ class Speculator:
 
     def gate_sample(self, sched, decode: list, kept_by: dict) -> tuple[int, int]:
         """(sequences, guesses they kept) that the gate's gain reads after a verify step: every
-        decoding sequence, or -- with the gate's `laggards` and nobody waiting for a slot -- the
-        half of them with the most tokens still to go before this step (the batch lasts as long as
-        they do; what the others keep ends them sooner, and nothing takes their place)."""
-        if not (self.gate.laggards and not sched.waiting and len(decode) > 2):
+        decoding sequence, or -- with the gate's `laggards` share (0 < share < 1) and nobody waiting
+        for a slot -- that share of them with the most tokens still to go before this step (ties
+        all in): the batch lasts as long as they do; what the others keep ends them sooner, and
+        nothing takes their place."""
+        share = self.gate.laggards
+        if not (0 < share < 1 and not sched.waiting and len(decode) > 2):
             return len(decode), sum(kept_by.values())
         left = []
         for r in decode:
@@ -198,7 +201,7 @@ class Speculator:
                              sched.max_model_len - r.num_tokens) + k, k))
         if not left:
             return len(decode), sum(kept_by.values())
-        bar = sorted(t for t, _ in left)[len(left) // 2]         # the upper median of what is left
+        bar = sorted((t for t, _ in left), reverse=True)[max(1, math.ceil(share * len(left))) - 1]
         lag = [k for t, k in left if t >= bar]
         return len(lag), sum(lag)
 
