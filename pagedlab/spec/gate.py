@@ -43,7 +43,7 @@ from __future__ import annotations
 class BatchGate:
     def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
                  weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0,
-                 start_margin: float = 0.5, probe_steps: int = 1, laggards: float = 0.5):
+                 start_margin: float = 0.5, probe_steps: int = 1, laggards: float = 0.75):
         self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
         self.weight, self.calibrate_steps, self.start_gain = weight, calibrate_steps, start_gain
         self.start_margin, self.probe_steps, self.laggards = start_margin, probe_steps, laggards
