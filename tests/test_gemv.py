@@ -480,3 +480,43 @@ def test_attention_in_qkv_launch(config, dtype, fp8, shape):
             assert torch.equal(a, b), "attention in the QKV launch changed the result"
         assert rel_err(o, ref) < tol
         assert rel_err(kc, kr) < tol
+
+
+# ------------------------------------------------------- one stream: the decode attention's latency
+@pytest.mark.parametrize("variant, splits", [("split_kv", 4), ("split_kv", 2), ("gqa", None)])
+def test_decode_attention_preload_and_one_pass_merge(variant, splits):
+    """decode_attention's PRELOAD (first K/V tile read before the PDL wait, the newest key after
+    it) and ONE_PASS (the split merge's loads in one round) give bit for bit the default path's
+    output -- sequences of 0, 1, a tile's edge, and contexts spanning several tiles per split, in
+    scattered pages -- and match the fp64 reference; a caller that does not pass preload=True
+    gets the default kernel whatever the config says."""
+    from pagedlab.kernels import decode_attention as da
+    from pagedlab.kernels.launch import merge_config
+    dtype = DTYPES[0]
+    hq, hkv, d, bs = (32, 8, 64, 16) if GPU else (6, 2, 16, 5)
+    block_n = 128 if GPU else 8
+    lens = [0, 1, block_n, block_n + 1, 3 * block_n + 2, 9 * block_n - 3]
+    gen = torch.Generator().manual_seed(27)
+    need = [-(-n // bs) for n in lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=gen)
+    table = torch.full((len(lens), max(need) + 1), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    k_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype).to(DEV)
+    v_cache = torch.randn(nb, bs, hkv, d, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEV)
+    table, sl = table.to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    base = merge_config(da.DECODE_CONFIG, {variant: {"BLOCK_N": block_n}})
+    on = merge_config(base, {variant: {"PRELOAD": 1, **({"ONE_PASS": 1} if variant == "split_kv" else {})}})
+    call = functools.partial(da.decode_attention_triton, q, k_cache, v_cache, table, sl, d ** -0.5,
+                             max(lens), variant, splits)
+    ref = call(config=base)
+    for kw in (dict(config=on, preload=True), dict(config=on),
+               dict(config=merge_config(base, {variant: {"PRELOAD": 1}}), preload=True)):
+        assert torch.equal(call(**kw), ref), kw
+    exact = da.decode_attention_torch(q.double(), k_cache.double(), v_cache.double(), table, sl, d ** -0.5)
+    assert rel_err(ref, exact) < TOL[dtype]
+    assert torch.equal(ref[0], torch.zeros_like(ref[0]))          # an empty sequence: zeros
