@@ -27,6 +27,10 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
     python -m pagedlab bench gemv --one-stream --variants prefetch
                                                   # ... with each L2 prefetch variant
                                                   # (one_stream_variants.json)
+    python -m pagedlab bench gemv --one-stream --variants latency
+                                                  # the step's fixed costs: each launch change
+                                                  # alone, then the best together, bf16 and FP8
+                                                  # (one_stream_latency.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
@@ -209,7 +213,7 @@ _CKPT = None
 
 
 def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True,
-                      decode_variant="auto", long_context=0, breakdown=False) -> dict:
+                      decode_variant="auto", long_context=0, breakdown=False, decode_config=None) -> dict:
     """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
     (GPU only, context 256; long_context > 0: also at that context, graph_long_us) and,
     profile=True, its kernels' times (torch profiler); breakdown=True: the launches of one
@@ -224,6 +228,8 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
         opts["gemv_config"] = gemv_config
     if pdl is not None:
         opts["pdl"] = pdl
+    if decode_config is not None:
+        opts["decode_config"] = decode_config
     global _CKPT
     if _CKPT is None:
         from pagedlab.weights import load_checkpoint
@@ -575,6 +581,132 @@ def one_stream_attention(out, argv=None, budget_s: float = 200.0, order=None, lo
     return res
 
 
+# Session 14: the batch-1 step's fixed costs, one change at a time against the same baseline.
+# Every variant is (gemv_config changes, decode_config changes); the baseline sets the decode
+# kernel's PRELOAD / ONE_PASS off explicitly, so it is session 13's step whatever the defaults.
+_ATTN_OFF = {"split_kv": dict(PRELOAD=0, ONE_PASS=0), "gqa": dict(PRELOAD=0)}
+_ATTN_ON = {"split_kv": dict(PRELOAD=2, ONE_PASS=1), "gqa": dict(PRELOAD=2)}
+
+
+def _self_pf(cols: int, qkv_cols: int = 256, o_cols: int = 0) -> dict:
+    """SELF_PF for every GEMV entry (bf16 and FP8): gate/up, down and the LM head `cols` columns,
+    QKV `qkv_cols` (its K slice is 256 columns), O `o_cols` (QKV's PREFETCH already pulls O)."""
+    per = dict(qkv=qkv_cols, residual=o_cols, swiglu=cols, down=cols, lm_head=cols)
+    return {k + sfx: dict(SELF_PF=v) for k, v in per.items() for sfx in ("", "_fp8")}
+
+
+def latency_variants() -> dict:
+    """name -> (group, gemv_config changes, decode_config changes or None = the baseline's) for
+    `--variants latency`. Variants of one group change the same thing; the combination takes each
+    group's best. (Tile changes are bf16 entries only; SELF_PF and the attention apply to FP8 too.)"""
+    pf = prefetch_variants()
+    return {
+        "base": ("base", {}, None),
+        "attn_preload": ("attention", {}, {"split_kv": dict(PRELOAD=2, ONE_PASS=0), "gqa": dict(PRELOAD=2)}),
+        "attn_preload_one_pass": ("attention", {}, _ATTN_ON),
+        "attn_one_pass": ("attention", {}, {"split_kv": dict(PRELOAD=0, ONE_PASS=1), "gqa": dict(PRELOAD=0)}),
+        "self_pf_512": ("self_pf", _self_pf(512), None),
+        "self_pf_1024": ("self_pf", _self_pf(1024), None),
+        "self_pf_512_o": ("self_pf", _self_pf(512, o_cols=512), None),
+        "qkv_nosplit": ("qkv", {"qkv": dict(BLOCK_R=4, K_SPLIT=2048, BLOCK_K=512, num_stages=2)}, None),
+        "down_nosplit": ("down", {"down": dict(BLOCK_R=4, K_SPLIT=8192, BLOCK_K=512)}, None),
+        "pf_chain": ("prefetch", {k: v for k, v in pf["pf_chain"].items() if not k.endswith("_fp8")}, None),
+        "pf_o_gu": ("prefetch", {k: v for k, v in pf["pf_o_gu"].items() if not k.endswith("_fp8")}, None),
+        "o_r4": ("o", {"residual": dict(BLOCK_R=4)}, None),
+        "swiglu_r8": ("swiglu", {"swiglu": dict(BLOCK_R=8)}, None),
+    }
+
+
+LATENCY_ORDER = ["base", "attn_preload_one_pass", "self_pf_512", "self_pf_1024", "qkv_nosplit",
+                 "down_nosplit", "attn_preload", "base", "self_pf_512_o", "pf_chain", "swiglu_r8",
+                 "o_r4", "attn_one_pass", "pf_o_gu", "base"]
+
+
+def _merge_changes(parts) -> dict:
+    out = {}
+    for part in parts:
+        for key, change in part.items():
+            out.setdefault(key, {}).update(change)
+    return out
+
+
+_GEMV_OFF = _self_pf(0, 0, 0)     # the baseline's GEMVs: no SELF_PF, whatever the defaults
+
+
+def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, margin_us: float = 2.0) -> dict:
+    """`--one-stream --variants latency` (session 14): bf16 batch-1 graph replay (context 258) with
+    each of latency_variants(), same process, in `order` while budget_s - 45 s allows; then the
+    combination of each group's best variant that beat the baseline (the mean of its runs) by
+    more than margin_us, with its one stream, the baseline's one stream again, and FP8 with the
+    combination (its tile changes are bf16's only) against FP8's baseline (one_stream_latency.json;
+    tokens compared with the baseline's of the same weights)."""
+    import time
+    t0 = time.time()
+    variants = latency_variants()
+    res = variants_result(argv, {k: dict(group=g, gemv=gc, decode=dc) for k, (g, gc, dc) in variants.items()})
+    path = out / "one_stream_latency.json"
+    tokens = {}
+
+    def run(weights, name, gemv_cfg, decode_cfg, stream):
+        try:
+            r = engine_one_stream(weights, gemv_cfg, profile=False, stream=stream, decode_config=decode_cfg)
+        except Exception as e:                       # keep what was measured
+            print(f"  {weights} {name}: {type(e).__name__}: {e}", flush=True)
+            res["engine"].append(dict(weights=weights, variant=name, error=f"{type(e).__name__}: {e}"))
+            write_json(path, res)
+            return None
+        r.update(variant=name, wall_s=round(time.time() - t0, 1), gemv_changes=gemv_cfg,
+                 decode_changes=decode_cfg)
+        r.pop("gemv_config", None)
+        if stream:
+            ids = r.pop("token_ids")
+            tokens.setdefault(weights, ids)
+            r["same_tokens_as_base"] = sum(a == b for a, b in zip(ids, tokens[weights])) / max(1, len(ids))
+        print(f"  {weights} {name}: graph {r['graph_us']:.1f} us"
+              + (f", one stream {r['one_stream']['tokens_per_s']:.1f} tok/s, same tokens "
+                 f"{r['same_tokens_as_base']:.3f}" if stream else "") + f", t={r['wall_s']} s", flush=True)
+        res["engine"].append(r)
+        write_json(path, res)
+        return r
+
+    graph = {}
+    for i, name in enumerate(order or LATENCY_ORDER):
+        if i > 0 and time.time() - t0 > budget_s - 45:
+            print(f"budget: skipped {name}", flush=True)
+            continue
+        _, gc, dc = variants[name]
+        r = run("bf16", name, _merge_changes([_GEMV_OFF, gc]), dc or _ATTN_OFF, stream=(i == 0))
+        if r is not None:
+            graph.setdefault(name, []).append(r["graph_us"])
+    base = sum(graph["base"]) / len(graph["base"])
+    best = {}
+    for name, us in graph.items():
+        group = variants[name][0]
+        mean = sum(us) / len(us)
+        if name != "base" and mean < base - margin_us and (group not in best or mean < best[group][1]):
+            best[group] = (name, mean)
+    chosen = [n for n, _ in best.values()]
+    res["base_graph_us"] = base
+    res["chosen"] = chosen
+    print(f"baseline {base:.1f} us; combination: {chosen}", flush=True)
+    gc = _merge_changes([_GEMV_OFF] + [variants[n][1] for n in chosen])
+    dc = _merge_changes([_ATTN_OFF] + [variants[n][2] for n in chosen if variants[n][2]])
+    res["combination"] = dict(gemv=gc, decode=dc)
+    run("bf16", "combination", gc, dc, stream=True)
+    run("fp8", "base", _GEMV_OFF, _ATTN_OFF, stream=True)
+    run("fp8", "combination", gc, dc, stream=True)
+    if time.time() - t0 < budget_s - 10:
+        # FP8 gate/up and down in tiles that fit the registers (offline sm_90 builds, Triton 3.9:
+        # the default gate/up tile, 32 rows x 512 of 8 warps, takes 255 registers and spills --
+        # one program per SM; 16 x 512 of 4 warps takes 178, no spill, two per SM)
+        res["fp8_tiles"] = fp8_tiles = dict(swiglu_fp8=dict(BLOCK_R=16, BLOCK_K=512, num_warps=4, num_stages=2),
+                                            down_fp8=dict(BLOCK_R=8, BLOCK_K=1024, num_warps=4, num_stages=2))
+        run("fp8", "combination+tiles", _merge_changes([gc, fp8_tiles]), dc, stream=True)
+    if time.time() - t0 < budget_s:
+        run("bf16", "base", _GEMV_OFF, _ATTN_OFF, stream=True)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab bench gemv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -588,7 +720,7 @@ def main(argv=None):
     ap.add_argument("--before", default=None,
                     help="with --one-stream: a JSON gemv_config; no sweep, the engine's one stream with it "
                          "against the defaults, same run (one_stream_confirm.json)")
-    ap.add_argument("--variants", nargs="?", const="attn", default=None, choices=("attn", "prefetch"),
+    ap.add_argument("--variants", nargs="?", const="attn", default=None, choices=("attn", "prefetch", "latency"),
                     help="with --one-stream: the batch-1 step's breakdown and the engine with the "
                          "attention in the QKV launch off and on (attn, the default: "
                          "one_stream_attn.json), or with each L2 PREFETCH variant (prefetch: "
@@ -602,6 +734,8 @@ def main(argv=None):
     if args.one_stream and args.variants:
         if args.variants == "prefetch":
             one_stream_variants(out, argv, args.budget_s)
+        elif args.variants == "latency":
+            one_stream_latency(out, argv, args.budget_s)
         else:
             one_stream_attention(out, argv, args.budget_s)
         return

@@ -74,16 +74,19 @@ VARIANTS = ("naive", "blocked", "gqa", "split_kv")
 # 128 and 256 (e.g. 540 us vs 592 us for (64, 4, 2) at batch 256 x 4096). split_kv's MERGE_TILE:
 # fp32 values per step of its merge (16 KB), see _merge_chunk. Read-only: pass another config
 # (launch.merge_config(DECODE_CONFIG, {...})) instead of changing it.
-# gqa/split_kv PRELOAD: the first tile of keys/values is read before the PDL wait where the
-# caller allows it (the launcher's `preload`; see _decode_gqa_kernel). split_kv ONE_PASS: a merge
-# whose splits fit one chunk reads m, l and acc in one round of loads (bit for bit the two-pass
-# merge's result).
+# gqa/split_kv PRELOAD: at one row (batch 1), the first tile of keys/values is read before the
+# PDL wait where the caller allows it (the launcher's `preload`; see _decode_gqa_kernel), for
+# grids of at most PRELOAD programs per SM (0 = never): the tile is held in registers (twice the
+# kernel's, sm_90 build), so the launch runs PRELOAD_WARPS warps a program -- cheap only while
+# programs are few.
+# split_kv ONE_PASS: a merge whose splits fit one chunk reads m, l and acc in one round of loads
+# (bit for bit the two-pass merge's result).
 DECODE_CONFIG = freeze({
     "naive": {"num_warps": 1, "num_stages": 1},
     "blocked": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRELOAD": 0},
-    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096, "PRELOAD": 0,
-                 "ONE_PASS": 0},
+    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRELOAD": 2, "PRELOAD_WARPS": 8},
+    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096, "PRELOAD": 2,
+                 "PRELOAD_WARPS": 8, "ONE_PASS": 1},
 })
 # auto: split the context when gqa would give each SM fewer than SPLIT_BELOW_PROGRAMS_PER_SM
 # programs; then aim for SPLIT_PROGRAMS_PER_SM programs per SM, no split shorter than
@@ -196,10 +199,10 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
-    # PRELOAD (the launcher's `preload`): the first tile of keys and values is loaded BEFORE the
-    # PDL wait, with the sequence length and the block table -- all written by kernels before
-    # the previous one -- except each sequence's newest key (position seq_len - 1, which the
-    # QKV kernel just before this one stores), loaded after the wait through L2 (.cg). At a
+    # PRELOAD (one row, the launcher's `preload`): the first tile of keys and values is loaded
+    # BEFORE the PDL wait, with the sequence length and the block table -- all written by kernels
+    # before the previous one -- except the sequence's newest key (position seq_len - 1, which
+    # the QKV kernel just before this one stores), loaded after the wait through L2 (.cg). At a
     # short context that first tile is a split's whole work: what is left after the wait is q,
     # one dot, the softmax and the merge. The same values reach the same arithmetic: the
     # result is bit for bit the one without PRELOAD.
@@ -450,12 +453,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     seq_lens, host int) only sizes the split_kv grid; without it the bound is
     block_table.shape[1] * block_size. `config`: launch parameters per variant (the layout of
     DECODE_CONFIG); `pdl`: the PDL mode of the gqa/split_kv launch (pdl.py; None = the device's
-    default). `preload` (gqa/split_kv, where the config's PRELOAD is set): the caller promises
-    that the kernel launched just before this one wrote none of seq_lens, the block table and the
-    cached keys/values but each sequence's newest (position seq_len - 1) -- true of the model's
-    decode step, whose QKV launch stores just that token (select_kernels binds it) -- so the
-    kernel may read them before its PDL wait. No device->host sync; the split_kv scratch buffers
-    are allocated once per shape and reused (CUDA-graph friendly)."""
+    default). `preload` (gqa/split_kv, where the config's PRELOAD allows it): the caller promises
+    that the kernel launched just before this one wrote none of seq_lens and the block table, and
+    of the cached keys/values only this step's tokens' -- true of the model's steps, whose QKV
+    launch stores just those (select_kernels binds it) -- so at ONE row (b == 1: the only key
+    written this step is its newest, position seq_len - 1; several rows may be one sequence's
+    prompt tokens or guesses, replayed as decode rows) the kernel reads the rest before its PDL
+    wait. No device->host sync; the split_kv scratch buffers are allocated once per shape and
+    reused (CUDA-graph friendly)."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     g = hq // hkv
@@ -481,6 +486,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, sm_count(q.device), block_n)
         flag = pdl_flag(q.device, pdl)
+        pre = bool(preload) and b == 1 and hkv * splits <= cfg.get("PRELOAD", 0) * sm_count(q.device)
         merge_ch = _merge_chunk(g, block_d, splits, cfg["MERGE_TILE"]) if splits > 1 else 1
         if splits > 1:
             ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
@@ -493,8 +499,8 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             GM=triton.next_power_of_2(g),
             MERGE_CH=merge_ch, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
             IDX64=k_cache.numel() >= INT32_LIMIT, PDL=flag,
-            PRELOAD=int(bool(preload and cfg.get("PRELOAD", 0))),
-            ONE_PASS=int(bool(cfg.get("ONE_PASS", 0)) and 1 < splits <= merge_ch), num_warps=cfg["num_warps"],
+            PRELOAD=int(pre), ONE_PASS=int(bool(cfg.get("ONE_PASS", 0)) and 1 < splits <= merge_ch),
+            num_warps=cfg.get("PRELOAD_WARPS", cfg["num_warps"]) if pre else cfg["num_warps"],
             num_stages=num_stages(cfg["num_stages"], q.device), **launch_options(flag))
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
