@@ -635,7 +635,7 @@ _GEMV_OFF = _self_pf(0, 0, 0)     # the baseline's GEMVs: no SELF_PF, whatever t
 
 def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, margin_us: float = 2.0) -> dict:
     """`--one-stream --variants latency` (session 14): bf16 batch-1 graph replay (context 258) with
-    each of latency_variants(), same process, in `order` while budget_s - 45 s allows; then the
+    each of latency_variants(), same process, in `order` while budget_s - 22 s allows; then the
     combination of each group's best variant that beat the baseline (the mean of its runs) by
     more than margin_us, with its one stream, the baseline's one stream again, and FP8 with the
     combination (its tile changes are bf16's only) against FP8's baseline (one_stream_latency.json;
@@ -671,7 +671,7 @@ def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, marg
 
     graph = {}
     for i, name in enumerate(order or LATENCY_ORDER):
-        if i > 0 and time.time() - t0 > budget_s - 45:
+        if i > 0 and time.time() - t0 > budget_s - 22:
             print(f"budget: skipped {name}", flush=True)
             continue
         _, gc, dc = variants[name]

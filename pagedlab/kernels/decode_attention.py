@@ -80,13 +80,18 @@ VARIANTS = ("naive", "blocked", "gqa", "split_kv")
 # kernel's, sm_90 build), so the launch runs PRELOAD_WARPS warps a program -- cheap only while
 # programs are few.
 # split_kv ONE_PASS: a merge whose splits fit one chunk reads m, l and acc in one round of loads
-# (bit for bit the two-pass merge's result).
+# (bit for bit the two-pass merge's result under the interpreter and in the GPU tests).
+# Both OFF: on the H200 (2026-12-02, docs/kernels.md "One stream, session 14") PRELOAD + ONE_PASS
+# made the batch-1 graph 883.0-883.5 us against 885.9-889.4 (inside the noise) and FP8's 662.3
+# against 684.4 (one run each), but the engine's greedy tokens left the default's after ~97 of
+# 256 (FP8 ~139): not explained yet (the 8-warp merge's summation order is the suspect; a race
+# is not ruled out) -- so not the default.
 DECODE_CONFIG = freeze({
     "naive": {"num_warps": 1, "num_stages": 1},
     "blocked": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRELOAD": 2, "PRELOAD_WARPS": 8},
-    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096, "PRELOAD": 2,
-                 "PRELOAD_WARPS": 8, "ONE_PASS": 1},
+    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRELOAD": 0, "PRELOAD_WARPS": 8},
+    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096, "PRELOAD": 0,
+                 "PRELOAD_WARPS": 8, "ONE_PASS": 0},
 })
 # auto: split the context when gqa would give each SM fewer than SPLIT_BELOW_PROGRAMS_PER_SM
 # programs; then aim for SPLIT_PROGRAMS_PER_SM programs per SM, no split shorter than
@@ -204,8 +209,9 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
     # before the previous one -- except the sequence's newest key (position seq_len - 1, which
     # the QKV kernel just before this one stores), loaded after the wait through L2 (.cg). At a
     # short context that first tile is a split's whole work: what is left after the wait is q,
-    # one dot, the softmax and the merge. The same values reach the same arithmetic: the
-    # result is bit for bit the one without PRELOAD.
+    # one dot, the softmax and the merge. The same values reach the same arithmetic (bit for bit
+    # under the interpreter and in the GPU tests; the launcher runs it at PRELOAD_WARPS warps,
+    # whose reductions may associate differently -- see DECODE_CONFIG).
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)

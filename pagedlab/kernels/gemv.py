@@ -85,7 +85,9 @@ _FUSED_ROWS = [False]
 # ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention).
 # SELF_PF (one token, PDL launches only): each program first asks L2 for its first SELF_PF
 # columns of its own weight rows, BEFORE its PDL wait -- so the memory system streams while the
-# kernel before drains (_l2_prefetch_rows); 0 = off.
+# kernel before drains (_l2_prefetch_rows); 0 = off. Off: measured SLOWER on the H200
+# (2026-12-02, docs/kernels.md "One stream, session 14": bf16 graph 939.2 us with 512 columns,
+# 975.1 with 1,024, against 885.9-889.4 without).
 # ATTN is off: measured exact but SLOWER on the H200 (2026-12-02, docs/kernels.md "One stream,
 # session 13": bf16 graph 983.0 us against 890.0, FP8 688.6 against 680.0 -- the tail runs one
 # program per KV head after the GEMV has drained).
@@ -100,25 +102,25 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # projection into L2 (PREFETCH): graph replay 891.8 us against 901.5 / 900.5 without, same
     # run, same tokens (2026-12-02, docs/one_stream_variants.json). Prefetching in the other
     # launches too was measured only beside a change since dropped (docs/kernels.md).
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0, SELF_PF=256,
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0, SELF_PF=0,
                 ATTN=0, ATTN_BLOCK_N=128),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
     "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
-    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tiles are wider in K (8 warps hold the fp32
     # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json);
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0, SELF_PF=256,
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0,
                     ATTN=0, ATTN_BLOCK_N=128),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
+    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
     "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=512),
+    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
