@@ -123,7 +123,8 @@ class EngineCore:
                  kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
                  prompt_steps=self.prompt_steps, prompt_step_seconds=self.prompt_step_seconds,
                  step_sequences=self.step_sequences, t=time.perf_counter(),
-                 **{f"core_{k}": v for k, v in self.timing.items()})
+                 **{f"core_{k}": v for k, v in self.timing.items()},
+                 **{f"host_{k}_s": v for k, v in self.engine.timing.items() if k != "steps"})
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):
             if hasattr(alloc, attr):
                 s[attr] = float(getattr(alloc, attr))

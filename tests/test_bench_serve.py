@@ -70,6 +70,10 @@ def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
         # step of its own or shares one; the rest are decode-only steps
         assert 1 <= r["prompt_steps"] <= 7 and r["decode_steps"] >= 1, r
         assert r["prompt_step_ms"] > 0 and r["decode_step_ms"] > 0
+        # the host's phases of those steps (engine.PhaseTimer, through /metrics): inside the steps
+        host = r["host_ms_per_step"]
+        assert set(host) == {"schedule", "launch", "read", "accept"} and min(host.values()) >= 0
+        assert host["launch"] > 0 and sum(host.values()) <= r["engine_step_ms"] * (1 + 1e-9), (host, r)
     # the server counted what the client counted (+ the warm-up request)
     assert generated_tokens(server) - tokens_before == 2 * want_tokens + jobs[0].output_len
     assert "inf" in out and "goodput" in out
@@ -194,5 +198,11 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert math.isclose(off["output_throughput"], sum(passes[1:]) / 2)   # two later passes: their mean
     for x in (r, off, off["first_pass"]):
         assert 1 <= x["prompt_steps"] <= 6 and x["decode_steps"] >= 1, x
+        # the host's phases per step, served (the core's, through /metrics) and offline alike: inside the steps
+        host, steps = x["host_ms_per_step"], x["prompt_steps"] + x["decode_steps"]
+        step_ms = (x["prompt_steps"] * x["prompt_step_ms"] + x["decode_steps"] * x["decode_step_ms"]) / steps
+        assert set(host) == {"schedule", "launch", "read", "accept"} and min(host.values()) >= 0
+        assert 0 < sum(host.values()) <= step_ms * (1 + 1e-9), (host, step_ms)
+    assert "the host per step (ms): schedule" in out
     assert "served/offline" in out and "decode-only" in out
     assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out

@@ -57,6 +57,7 @@ WORDS = ("time year people way day man thing woman life child world school state
          "history party result change morning reason research girl guy moment air teacher force "
          "education river mountain garden window bridge engine paper light music").split()
 TOKEN_ID_RANGE = (100, 500)     # random prompt ids: past the low special tokens, inside any vocabulary
+HOST_PHASES = tuple(f"engine_host_{k}_seconds" for k in ("schedule", "launch", "read", "accept"))
 
 
 def bad(message: str):
@@ -291,7 +292,7 @@ def engine_counters(url: str) -> dict | None:
         return None
     vals = {}
     names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
-             "engine_prompt_step_seconds", "core_idle_seconds",
+             "engine_prompt_step_seconds", *HOST_PHASES, "core_idle_seconds",
              "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds")
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -309,17 +310,28 @@ def engine_step(before: dict | None, after: dict | None) -> dict:
     n = d.pop("engine_steps")
     out = {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
            "engine_batch": d["engine_step_sequences"] / n,
-           "seconds": {k: v for k, v in d.items() if k.endswith("seconds")}}
+           "seconds": {k: v for k, v in d.items() if k.endswith("seconds") and k not in HOST_PHASES}}
+    host = host_per_step(n, {k[len("engine_host_"):-len("_seconds")]: d[k] for k in HOST_PHASES if k in d})
     return out | step_kinds(n, d["engine_step_seconds"], d.get("engine_prompt_steps"),
-                            d.get("engine_prompt_step_seconds"))
+                            d.get("engine_prompt_step_seconds")) | host
 
 
 def kinds_text(r: dict) -> str:
     if r.get("prompt_steps") is None:
         return ""
     f = lambda x: "-" if x is None else f"{x:.1f}"                     # noqa: E731
-    return (f"; {r['prompt_steps']} steps with prompt tokens at {f(r['prompt_step_ms'])} ms, "
+    text = (f"; {r['prompt_steps']} steps with prompt tokens at {f(r['prompt_step_ms'])} ms, "
             f"{r['decode_steps']} decode-only at {f(r['decode_step_ms'])} ms")
+    host = r.get("host_ms_per_step")
+    if host:
+        text += "; the host per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
+    return text
+
+
+def host_per_step(steps, seconds: dict) -> dict:
+    """The engine's host phases (engine.PhaseTimer: schedule, launch, read = waiting for the GPU,
+    accept) in ms per step: where a step's time went, served and offline alike."""
+    return {"host_ms_per_step": {k: 1e3 * v / steps for k, v in seconds.items()}} if steps and seconds else {}
 
 
 def step_kinds(steps, seconds, prompt_steps, prompt_seconds) -> dict:
@@ -758,14 +770,18 @@ def offline_worker(spec_path: str) -> int:
         llm.generate(prompts[:spec["warmup"]], params[:spec["warmup"]])
     passes = []
     core = getattr(llm, "core", None)           # (none with data_parallel_size > 1: replicas)
-    counters = (lambda: (core.num_steps, core.step_seconds, core.prompt_steps, core.prompt_step_seconds)) \
-        if core is not None else (lambda: None)
+    counters = (lambda: (core.num_steps, core.step_seconds, core.prompt_steps, core.prompt_step_seconds,
+                         dict(core.engine.timing))) if core is not None else (lambda: None)
     for _ in range(spec.get("passes", 2)):    # the first pass of a process compiles kernels: the
         before = counters()                   # median of the others is compared with serving
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         dt = time.perf_counter() - t0
-        kinds = step_kinds(*(a - b for a, b in zip(counters(), before))) if core is not None else {}
+        kinds = {}
+        if core is not None:
+            after = counters()
+            kinds = step_kinds(*(a - b for a, b in zip(after[:4], before[:4]))) | host_per_step(
+                after[0] - before[0], {k: v - before[4][k] for k, v in after[4].items() if k != "steps"})
         tokens = sum(len(o.token_ids) for o in outs)
         passes.append({"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
                        "ttft_ms": pcts(o.ttft_s for o in outs)} | kinds)
