@@ -27,7 +27,11 @@ Served against offline, in one command: --serve "ARGS" starts `python -m pagedla
 the same ARGS, in a fresh process once the server is gone) and prints served / offline tokens/s,
 against the median of that process's passes after the first (--offline-passes N; several rates
 such as `--rate inf,inf,inf` send several bursts to the one server).
---no-stream asks for whole answers instead of server-sent events.
+--no-stream asks for whole answers instead of server-sent events. --client-procs N sends each burst
+from N client processes (one Python process opening hundreds of connections is itself part of a
+burst's "way in"; a real burst comes from many clients). Each rate's line splits the engine's time
+(core idle, inbox, hand-out, the front end's output work) and, per step, the host's phases:
+schedule, launch, read (waiting for the GPU), accept -- the offline pass's too.
 """
 from __future__ import annotations
 
