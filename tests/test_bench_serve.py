@@ -100,6 +100,17 @@ def test_a_burst_from_client_processes(server, tmp_path, capsys):
     assert "clients" in out
 
 
+def test_a_client_process_that_dies_is_an_error_not_a_wait():
+    import queue
+    from types import SimpleNamespace as NS
+    q = queue.Queue()
+    q.put("ready")
+    alive, done, died = NS(exitcode=None), NS(exitcode=0), NS(exitcode=-9)
+    assert bench._from_clients(q, [alive, done]) == "ready"          # a message: at once
+    with pytest.raises(RuntimeError, match="exit code -9"):            # none, and a client is gone
+        bench._from_clients(q, [alive, done, died])
+
+
 def test_word_prompts_and_a_trace(server, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     pairs = [(5, 3), (17, 2), (9, 4)]

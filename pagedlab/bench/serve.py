@@ -410,7 +410,7 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     go = ctx.Event()
-    share = [(list(range(i, len(jobs), procs))) for i in range(procs)]
+    share = [range(i, len(jobs), procs) for i in range(procs)]
     start_at = ctx.Value("d", 0.0)
     workers = [ctx.Process(target=_client_process, daemon=True,
                            args=(i, url, model, [jobs[j] for j in idx], [times[j] for j in idx], how,
@@ -419,13 +419,13 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
         w.start()
     try:
         for _ in workers:
-            ready.get(timeout=120)          # every client imported and waiting
+            _from_clients(ready, workers)   # every client imported and waiting
         before = counters()
         start_at.value = time.monotonic() + 0.05
         go.set()
         got = {}
         for _ in workers:
-            i, res, end = results.get(timeout=how["timeout_s"] + 120)
+            i, res, end = _from_clients(results, workers)
             got[i] = (res, end)
         after = counters()
     finally:
@@ -438,6 +438,19 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
         for j, r in zip(idx, got[i][0]):
             out[j] = r
     return out, max(end for _, end in got.values()) - start_at.value, before, after
+
+
+def _from_clients(q, workers):
+    """The next message of the client processes; a client that died without one is an error
+    (not a wait as long as the requests' timeout)."""
+    import queue
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
 
 
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
