@@ -217,3 +217,12 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert "the host per step (ms): schedule" in out
     assert "served/offline" in out and "decode-only" in out
     assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out
+    # TTFT p99: every pass's kept; the burst against the median of the passes after the first
+    ttfts = off["pass_ttft_p99_ms"]
+    assert len(ttfts) == 3 and ttfts[0] == off["first_pass"]["ttft_ms"]["p99"]
+    assert math.isclose(off["ttft_p99_ms_median"], sum(ttfts[1:]) / 2)
+    b = off["bursts"]
+    assert b["bursts"] == 1 and b["served_ttft_p99_ms"] == r["ttft_ms"]["p99"]
+    assert math.isclose(b["ttft_p99_ratio"], r["ttft_ms"]["p99"] / off["ttft_p99_ms_median"])
+    assert math.isclose(b["tok_s_ratio"], r["served_over_offline"])
+    assert f"TTFT p99 {b['served_ttft_p99_ms']:.0f} vs {b['offline_ttft_p99_ms']:.0f} ms" in out
