@@ -100,13 +100,20 @@ def stop_tokens(tokenizer, model_config) -> dict[int, str]:
 
 class PhaseTimer:
     """Host seconds per phase of a step, summed over steps: what the host side costs.
-    `with timer("schedule"): ...` adds that block's time to totals["schedule"]."""
+    `with timer("schedule"): ...` adds that block's time to totals["schedule"]; then
+    `timer.of(batch)` adds it to totals["decode_schedule"] too if the batch had no prompt tokens
+    (the decode-only steps' phases apart: a prompt step's launch is an eager forward, tens of ms)."""
 
     PHASES = ("schedule", "launch", "read", "accept")
 
     def __init__(self):
-        self.totals = dict.fromkeys(self.PHASES, 0.0) | {"steps": 0}
-        self._name, self._t = None, 0.0
+        self.totals = (dict.fromkeys(self.PHASES, 0.0) | dict.fromkeys(self.decode_keys(), 0.0)
+                       | {"steps": 0})
+        self._name, self._t, self._last = None, 0.0, 0.0
+
+    @classmethod
+    def decode_keys(cls) -> tuple[str, ...]:
+        return tuple(f"decode_{k}" for k in cls.PHASES)
 
     def __call__(self, name: str) -> "PhaseTimer":
         self._name = name
@@ -116,7 +123,13 @@ class PhaseTimer:
         self._t = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.totals[self._name] += time.perf_counter() - self._t
+        self._last = time.perf_counter() - self._t
+        self.totals[self._name] += self._last
+
+    def of(self, batch) -> None:
+        """The phase just timed was `batch`'s: a decode-only step's counts among those too."""
+        if not batch.prefill:
+            self.totals["decode_" + self._name] += self._last
 
 
 class Engine:
@@ -249,6 +262,7 @@ class Engine:
     def _step_plain(self) -> Batch:
         with self.timer("schedule"):
             batch = self.scheduler.schedule()
+        self.timer.of(batch)
         if batch.empty:
             return self._idle(batch)
         try:
@@ -259,8 +273,10 @@ class Engine:
                 raise
             self._isolate(batch, e)
             return batch
+        self.timer.of(batch)
         with self.timer("accept"):
             self.scheduler.accept(batch, tokens)
+        self.timer.of(batch)
         return batch
 
     def _step_overlap(self) -> Batch:
@@ -271,6 +287,7 @@ class Engine:
             self._read_oldest()
         with self.timer("schedule"):
             batch = self.scheduler.schedule()
+        self.timer.of(batch)
         if batch.empty:
             while self._unread:
                 self._read_oldest()
@@ -286,6 +303,7 @@ class Engine:
                 self._read_oldest()
             self._isolate(batch, e)
             return batch
+        self.timer.of(batch)
         self.scheduler.advance(batch)            # its tokens are in flight until read
         self._unread.append((batch, launch))
         self.num_overlapped += ahead is not None
@@ -305,11 +323,13 @@ class Engine:
         batch, launch = self._unread[0]
         with self.timer("read"), interruptible():
             tokens = self.runner.read(launch)       # waits for that step only
+        self.timer.of(batch)
         with self.timer("accept"):
             if self.speculator is None:
                 self.scheduler.settle(batch, tokens)
             else:                                   # (a verify step: the kept guesses too)
                 self.scheduler.accept(batch, tokens, launched=True)
+        self.timer.of(batch)
         self._unread.popleft()
 
     def _isolate(self, batch: Batch, error: Exception) -> None:

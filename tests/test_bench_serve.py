@@ -214,7 +214,11 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
         step_ms = (x["prompt_steps"] * x["prompt_step_ms"] + x["decode_steps"] * x["decode_step_ms"]) / steps
         assert set(host) == {"schedule", "launch", "read", "accept"} and min(host.values()) >= 0
         assert 0 < sum(host.values()) <= step_ms * (1 + 1e-9), (host, step_ms)
-    assert "the host per step (ms): schedule" in out
+        # and over the decode-only steps alone: inside those steps
+        dec = x["host_ms_per_decode_step"]
+        assert set(dec) == set(host) and min(dec.values()) >= 0
+        assert 0 < sum(dec.values()) <= x["decode_step_ms"] * (1 + 1e-9), (dec, x["decode_step_ms"])
+    assert "the host per step (ms): schedule" in out and "per decode-only step: schedule" in out
     assert "served/offline" in out and "decode-only" in out
     assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out
     # TTFT p99: every pass's kept; the burst against the median of the passes after the first

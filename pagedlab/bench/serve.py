@@ -61,7 +61,9 @@ WORDS = ("time year people way day man thing woman life child world school state
          "history party result change morning reason research girl guy moment air teacher force "
          "education river mountain garden window bridge engine paper light music").split()
 TOKEN_ID_RANGE = (100, 500)     # random prompt ids: past the low special tokens, inside any vocabulary
-HOST_PHASES = tuple(f"engine_host_{k}_seconds" for k in ("schedule", "launch", "read", "accept"))
+PHASES = ("schedule", "launch", "read", "accept")
+HOST_PHASES = tuple(f"engine_host_{k}_seconds" for k in PHASES)
+HOST_DECODE_PHASES = tuple(f"engine_host_decode_{k}_seconds" for k in PHASES)
 
 
 def bad(message: str):
@@ -296,7 +298,7 @@ def engine_counters(url: str) -> dict | None:
         return None
     vals = {}
     names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
-             "engine_prompt_step_seconds", *HOST_PHASES, "core_idle_seconds",
+             "engine_prompt_step_seconds", *HOST_PHASES, *HOST_DECODE_PHASES, "core_idle_seconds",
              "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds")
     for line in text.splitlines():
         name, _, value = line.partition(" ")
@@ -314,10 +316,13 @@ def engine_step(before: dict | None, after: dict | None) -> dict:
     n = d.pop("engine_steps")
     out = {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
            "engine_batch": d["engine_step_sequences"] / n,
-           "seconds": {k: v for k, v in d.items() if k.endswith("seconds") and k not in HOST_PHASES}}
-    host = host_per_step(n, {k[len("engine_host_"):-len("_seconds")]: d[k] for k in HOST_PHASES if k in d})
-    return out | step_kinds(n, d["engine_step_seconds"], d.get("engine_prompt_steps"),
-                            d.get("engine_prompt_step_seconds")) | host
+           "seconds": {k: v for k, v in d.items() if k.endswith("seconds")
+                       and k not in HOST_PHASES + HOST_DECODE_PHASES}}
+    kinds = step_kinds(n, d["engine_step_seconds"], d.get("engine_prompt_steps"), d.get("engine_prompt_step_seconds"))
+    host = host_per_step(n, {k: d[f"engine_host_{k}_seconds"] for k in PHASES if f"engine_host_{k}_seconds" in d},
+                         kinds.get("decode_steps"),
+                         {k: d[f"engine_host_decode_{k}_seconds"] for k in PHASES if f"engine_host_decode_{k}_seconds" in d})
+    return out | kinds | host
 
 
 def kinds_text(r: dict) -> str:
@@ -329,13 +334,20 @@ def kinds_text(r: dict) -> str:
     host = r.get("host_ms_per_step")
     if host:
         text += "; the host per step (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
+    host = r.get("host_ms_per_decode_step")
+    if host:
+        text += "; per decode-only step: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
     return text
 
 
-def host_per_step(steps, seconds: dict) -> dict:
+def host_per_step(steps, seconds: dict, decode_steps=None, decode_seconds: dict | None = None) -> dict:
     """The engine's host phases (engine.PhaseTimer: schedule, launch, read = waiting for the GPU,
-    accept) in ms per step: where a step's time went, served and offline alike."""
-    return {"host_ms_per_step": {k: 1e3 * v / steps for k, v in seconds.items()}} if steps and seconds else {}
+    accept) in ms per step: where a step's time went, served and offline alike; the same over the
+    decode-only steps (a prompt step's launch is an eager forward: it swamps the mean)."""
+    out = {"host_ms_per_step": {k: 1e3 * v / steps for k, v in seconds.items()}} if steps and seconds else {}
+    if decode_steps and decode_seconds:
+        out["host_ms_per_decode_step"] = {k: 1e3 * v / decode_steps for k, v in decode_seconds.items()}
+    return out
 
 
 def step_kinds(steps, seconds, prompt_steps, prompt_seconds) -> dict:
@@ -819,8 +831,10 @@ def offline_worker(spec_path: str) -> int:
         kinds = {}
         if core is not None:
             after = counters()
-            kinds = step_kinds(*(a - b for a, b in zip(after[:4], before[:4]))) | host_per_step(
-                after[0] - before[0], {k: v - before[4][k] for k, v in after[4].items() if k != "steps"})
+            kinds = step_kinds(*(a - b for a, b in zip(after[:4], before[:4])))
+            spent = {k: v - before[4][k] for k, v in after[4].items() if k != "steps"}
+            kinds |= host_per_step(after[0] - before[0], {k: spent[k] for k in PHASES}, kinds.get("decode_steps"),
+                                   {k: spent[f"decode_{k}"] for k in PHASES})
         tokens = sum(len(o.token_ids) for o in outs)
         passes.append({"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
                        "ttft_ms": pcts(o.ttft_s for o in outs)} | kinds)
