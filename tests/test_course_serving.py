@@ -71,3 +71,22 @@ def test_admit_group_table_is_read_from_the_committed_measurement():
         res = json.loads((docs / f"serve_s11_admit{r['group']}.json").read_text())["results"][r["burst"] - 1]
         assert r["tokens_per_s"] == res["output_throughput"] and r["prompt_steps"] == res["prompt_steps"]
         assert r["ttft_p99_ms"] == res["ttft_ms"]["p99"] and r["decode_step_ms"] == res["decode_step_ms"]
+
+
+def test_host_contention_table_is_read_from_the_committed_measurement():
+    """Notebook 11's host table: each row is the median of an arm's passes in
+    docs/host_contention_s15.json, both runs, the arms the notebook compares (alone and 8 spinners)."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    from pagedlab.course import serving as serving_course
+    data = json.loads((Path(__file__).resolve().parent.parent / "docs" / "host_contention_s15.json").read_text())
+    rows = serving_course.host_contention_table()
+    assert {(r["run"], r["arm"]) for r in rows} >= {(1, "alone"), (1, "burn8"), (2, "alone"), (2, "burn8")}
+    for r in rows:
+        passes = data[f"run{r['run']}"][r["arm"]]
+        assert r["passes"] == len(passes) >= 3
+        assert r["tokens_per_s"] == statistics.median(x["tok_s"] for x in passes)
+        assert r["ttft_p99_ms"] == statistics.median(x["ttft_p99_ms"] for x in passes)
+        assert r["decode_step_ms"] == statistics.median(x["decode_step_ms"] for x in passes)

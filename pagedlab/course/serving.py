@@ -334,3 +334,30 @@ def served_table() -> list[dict]:
                              tokens_per_s=o["output_throughput"], ttft_p99_ms=o["ttft_ms"]["p99"],
                              tpot_p50_ms=None))
     return rows
+
+
+HOST_ARMS = (("alone", "nothing else running"), ("burn3", "3 processes spinning beside it"),
+             ("burn8", "8 processes spinning beside it"))
+
+
+def host_contention_table() -> list[dict]:
+    """The committed H200-host measurement of docs/serving.md, session 15 (scripts/host_contention.py,
+    docs/host_contention_s15.json): the 512-request burst through LLM.generate in one process, pass
+    after pass, alone and with busy processes beside it -- the median of each arm's passes, per run."""
+    import statistics
+
+    from .data import load_json
+    d = load_json("host_contention_s15.json")
+    if d is None:
+        return []
+    rows = []
+    for run in ("run1", "run2"):
+        for arm, label in HOST_ARMS:
+            passes = d[run].get(arm)
+            if not passes:
+                continue
+            med = lambda key: statistics.median(x[key] for x in passes)      # noqa: E731
+            rows.append(dict(run=int(run[-1]), arm=arm, label=label, passes=len(passes),
+                             tokens_per_s=med("tok_s"), decode_step_ms=med("decode_step_ms"),
+                             ttft_p99_ms=med("ttft_p99_ms")))
+    return rows
