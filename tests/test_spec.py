@@ -113,10 +113,11 @@ def run_stream(llm, prompts, params, seed, abort_at=()):
     return [done[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive"])
+@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive", "overlap+shadow"])
 def test_greedy_identity_on_random_streams(variant, monkeypatch):
     """overlap+adaptive: the overlap loop runs a step ahead wherever nobody guesses (requests the
-    adaptive k paused), and reads the step in flight first where someone will."""
+    adaptive k paused), and reads the step in flight first where someone will. overlap+shadow: the
+    same with the lookups' replay deciding who guesses (spec/shadow.py)."""
     rnd = random.Random(len(variant))
     prompts = copy_prompts(rnd, 10)
     prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
@@ -140,12 +141,16 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
             params.append(SamplingParams(max_tokens=rnd.randint(1, 30) if kind == "len" else 30, ignore_eos=True))
     want = run_stream(plain, prompts, params, seed=1)
     sc = NGRAM
-    if variant == "overlap+adaptive":       # a verify step costs 2.5 plain ones (not timed: the same pauses each run),
+    if variant.startswith("overlap+"):      # a verify step costs 2.5 plain ones (not timed: the same pauses each run),
         from pagedlab.spec.speculator import Speculator          # and 1.2 for the batch's gate
         monkeypatch.setattr(Speculator, "cost", property(lambda self: 2.5))
-        monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.2)
+        monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.2 if variant == "overlap+adaptive" else 1.0)
+        monkeypatch.setattr(Speculator, "SHADOW", variant == "overlap+shadow")
         sc = dict(NGRAM, adaptive=True)
     spec = tiny_llm(speculative_config=sc, **kw)
+    if variant == "overlap+shadow":         # the gate open whenever a request's replayed lookups pay,
+        spec.engine.speculator.gate.open_margin = 0.0           # and a low bar for each: verify steps
+        spec.engine.speculator.row_gain = 1.2                   # and steps run ahead both
     got = run_stream(spec, prompts, params, seed=2, abort_at=(3, 7))
     for i, (a, b) in enumerate(zip(want, got)):
         if b.finish_reason == "abort":
@@ -156,8 +161,9 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
     assert s.num_accepted > 5 and s.num_proposed > s.num_accepted      # it guessed, kept some, lost some
     if variant == "preempt+prefix":
         assert sum(r.num_preemptions for r in got) > 0 and spec.engine.scheduler.allocator.prefix_hits > 0
-    if variant == "overlap+adaptive":
+    if variant.startswith("overlap+"):
         assert spec.engine.overlap and spec.engine.num_overlapped >= 5, spec.engine.num_overlapped
+        assert (s.shadow is not None) == (variant == "overlap+shadow")
 
 
 def test_sampling_penalties_logprobs_stop_strings_identical():

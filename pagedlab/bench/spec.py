@@ -126,6 +126,8 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
                 # one ran: the overlap loop's pace), sync (plain, the previous step read first)
                 step_kinds=None if speculator is None else
                 {k: v - kinds0[k] for k, v in speculator.num_steps.items()},
+                # the lookups' replay decided who guesses (spec/shadow.py; Speculator.shadow_on)
+                shadow=speculator is not None and speculator.shadow is not None,
                 # what the gate weighed at the run's batch size at its end: a verify step / a plain one
                 batch_cost=None if speculator is None else speculator.batch_cost(len(prompts) if batched else 1),
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
@@ -137,7 +139,8 @@ def adaptive_options(spec, item: str) -> dict:
     """--fused-rows item "mode@name=value+name=value": AdaptiveK settings for that variant's runs
     (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK; "gate=off"
     (or on): the batch's gate (spec/gate.py BatchGate) off for those runs; "gate_NAME=value": a
-    BatchGate setting (gate_min_steps=5)."""
+    BatchGate setting (gate_min_steps=5); "shadow=on" (or off): the lookups' replay deciding who
+    guesses and when (spec/shadow.py, Speculator.shadow_on); "row_gain=x": its per-request bar."""
     opts = {}
     for part in [p for p in item.partition("@")[2].split("+") if p]:
         name, _, value = part.partition("=")
@@ -145,6 +148,11 @@ def adaptive_options(spec, item: str) -> dict:
             if value not in ("on", "off"):
                 raise SystemExit(f"--fused-rows {item!r}: gate is on or off, not {value!r}")
             opts["gate"] = value
+            continue
+        if name in ("shadow", "row_gain") and spec is not None:
+            if name == "shadow" and value not in ("on", "off"):
+                raise SystemExit(f"--fused-rows {item!r}: shadow is on or off, not {value!r}")
+            opts["spec_" + name] = value == "on" if name == "shadow" else float(value)
             continue
         if name.startswith("gate_") and spec is not None and spec.gate is not None:
             attr = name[5:]
@@ -176,6 +184,11 @@ class adaptive_set:
                 setattr(self.gate, k[5:], opts.pop(k))
         if opts.pop("gate", "on") == "off":
             self.spec.gate = None
+        own = {"spec_shadow": "shadow_on", "spec_row_gain": "row_gain"}
+        self.old_spec = {}
+        for k in [k for k in opts if k in own]:
+            self.old_spec[own[k]] = getattr(self.spec, own[k])
+            setattr(self.spec, own[k], opts.pop(k))
         self.old = {k: getattr(self.target, k) for k in opts}
         for k, v in opts.items():
             setattr(self.target, k, v)
@@ -184,6 +197,8 @@ class adaptive_set:
         for k, v in self.old.items():
             setattr(self.target, k, v)
         if self.spec is not None:
+            for k, v in self.old_spec.items():
+                setattr(self.spec, k, v)
             self.spec.gate = self.gate
             for k, v in self.old_gate.items():
                 setattr(self.gate, k, v)

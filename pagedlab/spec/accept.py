@@ -62,6 +62,10 @@ class AdaptiveK:
             if req.spec_pause == 0:                  # try again, from neutral
                 req.spec_rate, req.spec_gain, req.spec_run = 0.5, cost + 0.5, 0
             return 0
+        return self.k_rate(req)
+
+    def k_rate(self, req) -> int:
+        """k from the acceptance rate alone (no pause: with a shadow, shadow.py says who guesses)."""
         r = req.spec_rate
         if r >= 0.8:
             return self.k_max

@@ -36,6 +36,12 @@ no request waits for a slot (nothing would take a finished one's place), the bat
 as its longest request, and guesses kept by requests that will finish early anyway do not shorten
 it; Speculator.settle then passes the kept guesses of the share `laggards` of the batch with the
 most tokens still to go (0 or 1: every sequence, session 13's rule).
+
+With a shadow (shadow.py, session 15: n-gram lookup, whose fate the plain steps' tokens tell) the
+gate needs no probes and no first phase to learn: `shadow_step` opens it when the gain the
+replayed lookups found (the same sequences' share) reaches cost + `open_margin`, and closes it when
+that gain falls below the cost. A fresh batch starts closed: guessing starts where the tokens show
+it pays, not on hope.
 """
 from __future__ import annotations
 
@@ -43,10 +49,13 @@ from __future__ import annotations
 class BatchGate:
     def __init__(self, min_steps: int = 3, pause: int = 16, max_pause: int = 256, paid_run: int = 8,
                  weight: float = 0.3, calibrate_steps: int = 4, start_gain: float = 3.0,
-                 start_margin: float = 0.5, probe_steps: int = 1, laggards: float = 0.75):
+                 start_margin: float = 0.5, probe_steps: int = 1, laggards: float = 0.75,
+                 open_margin: float = 0.3, default_cost: float = 1.7):
         self.min_steps, self.pause, self.max_pause, self.paid_run = min_steps, pause, max_pause, paid_run
         self.weight, self.calibrate_steps, self.start_gain = weight, calibrate_steps, start_gain
         self.start_margin, self.probe_steps, self.laggards = start_margin, probe_steps, laggards
+        self.open_margin, self.default_cost = open_margin, default_cost     # (with a shadow)
+        self.num_opens = 0
         self.num_closes = self.num_plain_steps = self.num_probes = 0     # what it did (bench, tests)
         self.reset()
 
@@ -106,3 +115,25 @@ class BatchGate:
             self.streak += 1
             self.num_closes += 1
         self.probing = self.probing and not self.open
+
+    # -- with a shadow (shadow.py): the gain is known without guessing ---------------------------
+    def decide(self, estimate: float, cost: float | None) -> bool:
+        """Would the gate be open for a step whose sequences' replayed gain is `estimate`? (Open:
+        it stays open while estimate >= cost; closed: it opens at cost + open_margin.)"""
+        c = self.default_cost if cost is None else cost
+        return estimate >= (c if self.open else c + self.open_margin)
+
+    def shadow_step(self, num_decode: int, estimate: float, cost: float | None) -> bool:
+        """A step is being planned (with a shadow): may its decodes guess? A step with nobody
+        decoding closes it (the next batch starts where the tokens say)."""
+        if num_decode == 0:
+            self.open, self.wait = False, 0
+            return False
+        now = self.decide(estimate, cost)
+        if now != self.open:
+            self.num_opens += now
+            self.num_closes += not now
+        self.open, self.wait = now, 0
+        if not now:
+            self.num_plain_steps += 1
+        return now

@@ -21,6 +21,8 @@ from ..kv_cache import blocks_needed
 from ..request import RequestStatus
 from .accept import AdaptiveK, accept_greedy
 from .gate import BatchGate
+from .ngram import NgramProposer
+from .shadow import Shadow
 
 
 def num_guesses(batch) -> int:
@@ -44,6 +46,11 @@ def nearest(times: dict, b: int):
 
 
 class Speculator:
+    # n-gram lookup, adaptive: replay the lookups on the emitted tokens (shadow.py) and let what they
+    # would have kept decide who guesses and when the batch verifies (no probes). Off by default
+    # until measured on the H200 (docs/speculative.md, session 15); `shadow` per instance.
+    SHADOW = False
+
     def __init__(self, proposer, k_max: int, adaptive: bool = True, accept=accept_greedy, on_verify=None):
         """accept: the rule (drafts, targets) -> emitted tokens (the chapter plugs the learner's in);
         on_verify(request, guesses, emitted): called after each verify (to watch it work).
@@ -65,6 +72,42 @@ class Speculator:
         self.times = {"verify": {}, "ahead": {}, "sync": {}}
         self.num_steps = {"verify": 0, "ahead": 0, "sync": 0}   # decode steps planned, per kind (bench)
         self._last = None        # (time, batch, guessed, ran ahead) of the latest plan()
+        self.shadow_on = self.SHADOW
+        self.row_gain = 1.3      # with a shadow: a request guesses when its replayed gain is at least this
+        self._shadow = None
+
+    @property
+    def shadow(self) -> Shadow | None:
+        """The lookups' replay (shadow.py) where it applies: on, adaptive, and the proposer is the
+        plain n-gram rule (not a draft model, not the chapter's own rule); else None."""
+        p = self.proposer
+        if not (self.shadow_on and self.adaptive is not None and type(p) is NgramProposer and p.fn is None):
+            return None
+        sh = self._shadow
+        if sh is None or (sh.k, sh.n_max, sh.n_min) != (self.k_max, p.n_max, p.n_min):
+            sh = self._shadow = Shadow(self.k_max, p.n_max, p.n_min)
+        return sh
+
+    def _pays(self, sh, r) -> bool:
+        g = sh.gain(r)
+        return g is not None and g >= self.row_gain and can_speculate(r)
+
+    def shadow_estimate(self, sched, decode: list) -> float:
+        """Tokens a verify step would emit per sequence now, by the replayed lookups: a request
+        that would not guess (its gain under row_gain) counts 1; read over the sequences the batch
+        waits for (gate_sample's laggards)."""
+        sh = self.shadow
+        gains = [sh.gain(r) if self._pays(sh, r) else 1.0 for r in decode]
+        share = self.gate.laggards
+        if not gains:
+            return 1.0
+        if not (0 < share < 1 and not sched.waiting and len(decode) > 2):
+            return sum(gains) / len(gains)
+        left = [min(r.params.max_new_tokens - len(r.output_token_ids) - r.num_in_flight,
+                    sched.max_model_len - r.num_tokens) for r in decode]
+        bar = sorted(left, reverse=True)[max(1, math.ceil(share * len(left))) - 1]
+        lag = [g for g, t in zip(gains, left) if t >= bar]
+        return sum(lag) / len(lag)
 
     @property
     def cost(self) -> float:
@@ -105,6 +148,10 @@ class Speculator:
             forget({r.request_id for r in sched.admitted})
         ahead = any(r.num_in_flight for r in step.decode)
         self._last = (self._last[0], step, False, ahead)
+        sh = self.shadow
+        if sh is not None and self.gate is not None:
+            self._plan_shadow(sched, step, sh, ahead)
+            return
         cost = self.cost
         if self.gate is not None and not self.gate.step(len(step.decode), bool(prev and prev.prefill)):
             for r in step.decode:                    # a plain step: paused requests count it
@@ -149,6 +196,33 @@ class Speculator:
             step.guessed = step.guessed or bool(guesses)
         self._last = (self._last[0], step, step.guessed, ahead)
 
+    def _plan_shadow(self, sched, step, sh, ahead) -> None:
+        """_plan with the lookups' replay: the gate opens where the replayed gain pays, and then
+        only the requests whose own replayed gain pays guess (k from their acceptance)."""
+        b = len(step.decode)
+        if not self.gate.shadow_step(b, self.shadow_estimate(sched, step.decode) if b else 1.0,
+                                     self.batch_cost(b)):
+            return
+        room_rows = sched.max_num_batched_tokens - b
+        bs = sched.block_size
+        for r in step.decode:
+            if r.num_in_flight or not self._pays(sh, r):
+                continue
+            left = min(r.params.max_new_tokens - len(r.output_token_ids), sched.max_model_len - r.num_tokens)
+            k = min(self.adaptive.k_rate(r), left - 1, room_rows)
+            if k <= 0:
+                continue
+            guesses = sh.propose(r, k)
+            if not guesses:
+                continue
+            n = r.num_tokens
+            if not sched._grow(r, n + len(guesses)):        # no preemption for a guess: fit what fits
+                guesses = guesses[:len(r.blocks) * bs - n]
+            r.spec_token_ids = list(guesses)
+            room_rows -= len(guesses)
+            step.guessed = step.guessed or bool(guesses)
+        self._last = (self._last[0], step, step.guessed, ahead)
+
     def _time_last_step(self, now: float, idle: bool = False) -> None:
         """The step planned last time took until now: a running mean per kind (with or without
         guesses), of decode-only steps, not counting a pause of the engine (idle between them;
@@ -178,6 +252,14 @@ class Speculator:
         next step asks someone for guesses (a proposal starts from the last token)."""
         if self.adaptive is None:
             return any(can_speculate(r) for r in sched.admitted)
+        sh = self.shadow
+        if sh is not None and self.gate is not None:
+            if any(r.spec_token_ids for r in sched.admitted):
+                return True
+            decode = [r for r in sched.admitted if r.output_token_ids or r.num_in_flight]
+            if not decode or not any(self._pays(sh, r) for r in decode):
+                return False
+            return self.gate.decide(self.shadow_estimate(sched, decode), self.batch_cost(len(decode)))
         if self.gate is not None and self.gate.closed_next():     # a plain step next
             return any(r.spec_token_ids for r in sched.admitted)
         ask = self.adaptive.will_propose
@@ -263,9 +345,15 @@ class Speculator:
                     extra = r.blocks[keep:]
                     del r.blocks[keep:]
                     sched.allocator.free(extra)
+        sh = self.shadow
+        if sh is not None:
+            for r in batch.sampled:
+                sh.update(r)
+            if len(sh.states) > 2 * len(sched.admitted) + 8:       # who left (by id; rebuilt if back)
+                sh.forget_except({r.request_id for r in sched.admitted})
         if log:
             batch.spec_log = log
-            if self.gate is not None:
+            if self.gate is not None and sh is None:
                 b = len(batch.decode)
                 n, kept = self.gate_sample(sched, batch.decode, kept_by)
                 self.gate.verified(n, kept, self.batch_cost(b), batch=b)
