@@ -194,3 +194,29 @@ def test_bench_spec_shadow_variant(tmp_path):
     assert all(x["same_tokens"] == 1.0 for x in vs.values())
     with pytest.raises(SystemExit):
         bench(["--small", "--fused-rows", "off@shadow=maybe", "--out", str(tmp_path)])
+
+
+def test_the_gate_with_a_shadow_opens_above_the_margin_and_closes_below_the_cost():
+    from pagedlab.spec.gate import BatchGate
+    g = BatchGate(open_margin=0.3, default_cost=1.7)
+    assert not g.shadow_step(0, 5.0, 1.5) and not g.open           # a fresh batch: closed
+    assert not g.shadow_step(4, 1.79, 1.5)                         # under cost + margin: stays closed
+    assert g.shadow_step(4, 1.8, 1.5) and g.num_opens == 1          # at it: opens
+    assert g.shadow_step(4, 1.5, 1.5)                              # open while >= the cost
+    assert not g.shadow_step(4, 1.49, 1.5) and g.num_closes == 1
+    assert not g.decide(1.99, None) and g.decide(2.0, None)        # no cost measured: default_cost
+    assert g.num_probes == 0 and g.num_plain_steps == 2             # (nobody decoding: no plain step)
+
+
+def test_a_pending_lookup_counts_what_it_kept_so_far():
+    sh = Shadow(4, 2, 1)
+    r = Req([5, 6, 7, 8, 9, 5])
+    r.output_token_ids = [6]                  # the lookup after [.., 5, 6] guesses 7 8 9 5
+    sh.update(r)
+    assert sh.gain(r) is None
+    r.output_token_ids = [6, 7, 8]            # two confirmed: a verify step would emit >= 3
+    sh.update(r)
+    assert sh.gain(r) == 3 and sh.states[7].count == 0
+    r.output_token_ids = [6, 7, 8, 1]         # the third one wrong: kept 2, done
+    sh.update(r)
+    assert sh.gain(r) == 3 and sh.states[7].count == 1 and sh.states[7].at == 10

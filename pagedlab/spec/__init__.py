@@ -39,6 +39,8 @@ A verify step's few rows (k + 1 per sequence) run the same fused decode kernels 
     method "ngram"  ngram.py   prompt lookup: the last n tokens matched earlier in the sequence
     method "draft"  draft.py   a smaller model with the same tokenizer guesses greedily
     gate.py                    speculation on or off for the whole batch (tokens gained vs step cost)
+    shadow.py                  n-gram lookups replayed on the emitted tokens: what guessing would keep,
+                               known without a verify step (Speculator.shadow_on)
 """
 from .accept import AdaptiveK, accept_greedy, emit
 from .config import SpeculativeConfig
