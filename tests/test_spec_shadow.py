@@ -217,6 +217,6 @@ def test_a_pending_lookup_counts_what_it_kept_so_far():
     r.output_token_ids = [6, 7, 8]            # two confirmed: a verify step would emit >= 3
     sh.update(r)
     assert sh.gain(r) == 3 and sh.states[7].count == 0
-    r.output_token_ids = [6, 7, 8, 1]         # the third one wrong: kept 2, done
-    sh.update(r)
-    assert sh.gain(r) == 3 and sh.states[7].count == 1 and sh.states[7].at == 10
+    r.output_token_ids = [6, 7, 8, 1]         # the third one wrong: kept 2, done; the lookup after
+    sh.update(r)                              # [.., 8, 1] finds nothing: a plain step there (1 token)
+    assert sh.states[7].count == 2 and sh.gain(r) == 2 and sh.states[7].at == 11
