@@ -81,14 +81,16 @@ def test_the_replay_keeps_what_a_speculating_stream_keeps():
     assert sh.states == {}
 
 
-def run(prompts, max_tokens=40, cost=1.5, shadow=True, **kw):
+def run(prompts, max_tokens=40, cost=1.5, shadow=True, laggards=None, **kw):
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     kw = dict(dtype="float32", max_num_seqs=len(prompts), cuda_graphs="eager", block_size=8, **kw)
     want = tiny_llm(**kw).generate(prompts, sp)
     llm = tiny_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
                    **kw)
     spec = llm.engine.speculator
-    spec.shadow_on = shadow
+    spec.shadow_on, spec.shadow_max_batch = shadow, 1 << 30       # its rule at every batch size
+    if laggards is not None:
+        spec.gate.laggards = laggards
     assert llm.engine.overlap and spec.shadow is not None or not shadow
     steps, plan = [], spec.plan
 
@@ -119,7 +121,7 @@ def test_guesses_only_where_the_replay_says_it_pays(monkeypatch):
     rnd = random.Random(3)
     # the tiny random model falls into loops: some requests' text repeats (lookups find it), some not
     prompts = [[rnd.randrange(3, 400) for _ in range(rnd.randint(4, 14))] for _ in range(6)]
-    spec, steps, want = run(prompts, max_tokens=60)
+    spec, steps, want = run(prompts, max_tokens=60, laggards=0)    # (the mean gain: see the estimate's test)
     gate = spec.gate
     verify = [s for s in steps if s["guessed"]]
     assert verify and spec.num_accepted > 0
@@ -135,6 +137,36 @@ def test_guesses_only_where_the_replay_says_it_pays(monkeypatch):
     closed = [i for i, s in enumerate(steps) if s["decode"] and not s["open"]]
     synced = [i for i in closed if not steps[i]["ahead"]]
     assert len(synced) <= 2 + 2 * gate.num_opens, (len(synced), gate.num_opens)
+
+
+def test_the_estimate_is_the_batch_ends_speed_up_without_a_queue():
+    """Nobody waiting: the batch lasts as long as its slowest sequence -- max(left) / max(left / gain);
+    with a queue, or laggards=0, the mean gain; a request whose gain is under row_gain counts 1."""
+    from types import SimpleNamespace as NS
+    s = Speculator(proposer=None, k_max=4)
+    s.shadow_on = True
+    from pagedlab.spec.ngram import NgramProposer
+    s.proposer = NgramProposer(3)
+    sh = s.shadow
+
+    def req(rid, gain, out, max_new=100):
+        r = NS(request_id=rid, params=NS(max_new_tokens=max_new, has_penalties=False, logprobs=None),
+               output_token_ids=[0] * out, num_in_flight=0, num_tokens=10 + out, prompt_token_ids=[1] * 10)
+        st = sh.state(r)
+        st.gain = gain
+        return r
+    sched = NS(waiting=[], max_model_len=1000)
+    loop, plain = [req(i, 5.0, 20) for i in range(4)], [req(10 + i, 1.0, 20) for i in range(12)]
+    assert s.shadow_estimate(sched, loop + plain) == pytest.approx(1.0)       # equal budgets: the slowest
+    assert s.shadow_estimate(sched, loop) == pytest.approx(5.0)
+    near_end = [req(20 + i, 1.0, 95) for i in range(12)]                      # 5 tokens left each
+    assert s.shadow_estimate(sched, loop + near_end) == pytest.approx(5.0)    # they end first anyway
+    mixed = [req(30, 3.0, 20), req(31, 1.2, 60)]                              # 80 / 3 vs 40 / 1 (1.2 < row_gain)
+    assert s.shadow_estimate(sched, mixed) == pytest.approx(80 / 40)
+    assert s.shadow_estimate(NS(waiting=[object()], max_model_len=1000), loop + plain) == pytest.approx(2.0)
+    s.gate.laggards = 0
+    assert s.shadow_estimate(sched, loop + plain) == pytest.approx(2.0)
+    assert s.shadow_estimate(sched, [req(40, 4.0, 0)]) == 4.0
 
 
 def test_text_that_never_repeats_never_verifies(fixed_costs, monkeypatch):
@@ -176,9 +208,11 @@ def test_off_and_other_proposers_keep_the_old_rule():
     assert s.shadow is None
     from pagedlab.spec.ngram import NgramProposer
     s = Speculator(proposer=NgramProposer(3), k_max=4)
-    assert s.shadow is None                   # off by default (Speculator.SHADOW)
-    s.shadow_on = True
     assert s.shadow is not None and (s.shadow.k, s.shadow.n_max) == (4, 3)
+    assert s.shadow_rules(1) is s.shadow and s.shadow_rules(2) is None    # one sequence only, by default
+    s.shadow_on = False
+    assert s.shadow is None and s.shadow_rules(1) is None
+    s.shadow_on = True
     s.proposer = NgramProposer(3, fn=propose_ngram)     # the chapter's own rule: not replayed
     assert s.shadow is None
     s.proposer, s.adaptive = NgramProposer(3), None      # a fixed k: every step guesses
@@ -190,7 +224,7 @@ def test_bench_spec_shadow_variant(tmp_path):
     res = bench(["--small", "--workloads", "copy", "--modes", "batched", "--copies", "2", "--max-tokens", "8",
                  "--fused-rows", "off,off@shadow=on+row_gain=1.5", "--out", str(tmp_path)])
     vs = res["runs"]["copy/batched"]["variants"]
-    assert [v["median_run"]["shadow"] for v in vs.values()] == [False, False, True]
+    assert [v["median_run"]["shadow"] for v in vs.values()] == [None, Speculator.SHADOW_MAX_BATCH, 1 << 30]
     assert all(x["same_tokens"] == 1.0 for x in vs.values())
     with pytest.raises(SystemExit):
         bench(["--small", "--fused-rows", "off@shadow=maybe", "--out", str(tmp_path)])

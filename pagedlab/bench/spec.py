@@ -126,8 +126,9 @@ def measure(llm, speculator, prompts, params, real, batched, graphs=None) -> dic
                 # one ran: the overlap loop's pace), sync (plain, the previous step read first)
                 step_kinds=None if speculator is None else
                 {k: v - kinds0[k] for k, v in speculator.num_steps.items()},
-                # the lookups' replay decided who guesses (spec/shadow.py; Speculator.shadow_on)
-                shadow=speculator is not None and speculator.shadow is not None,
+                # the lookups' replay decided who guesses at batches up to this size (spec/shadow.py;
+                # None: off)
+                shadow=None if speculator is None or speculator.shadow is None else speculator.shadow_max_batch,
                 # what the gate weighed at the run's batch size at its end: a verify step / a plain one
                 batch_cost=None if speculator is None else speculator.batch_cost(len(prompts) if batched else 1),
                 host_timing={k: (v if k == "steps" else round(v, 4)) for k, v in eng.timing.items()},
@@ -140,7 +141,9 @@ def adaptive_options(spec, item: str) -> dict:
     (e.g. fma@max_miss_pause=4+pause=32), checked against the speculator's AdaptiveK; "gate=off"
     (or on): the batch's gate (spec/gate.py BatchGate) off for those runs; "gate_NAME=value": a
     BatchGate setting (gate_min_steps=5); "shadow=on" (or off): the lookups' replay deciding who
-    guesses and when (spec/shadow.py, Speculator.shadow_on); "row_gain=x": its per-request bar."""
+    guesses and when at every batch size (spec/shadow.py; off: nowhere); "shadow_max_batch=N": at
+    batches of up to N decoding sequences (the default's own: Speculator.SHADOW_MAX_BATCH);
+    "row_gain=x": its per-request bar."""
     opts = {}
     for part in [p for p in item.partition("@")[2].split("+") if p]:
         name, _, value = part.partition("=")
@@ -149,10 +152,15 @@ def adaptive_options(spec, item: str) -> dict:
                 raise SystemExit(f"--fused-rows {item!r}: gate is on or off, not {value!r}")
             opts["gate"] = value
             continue
-        if name in ("shadow", "row_gain") and spec is not None:
-            if name == "shadow" and value not in ("on", "off"):
-                raise SystemExit(f"--fused-rows {item!r}: shadow is on or off, not {value!r}")
-            opts["spec_" + name] = value == "on" if name == "shadow" else float(value)
+        if name in ("shadow", "row_gain", "shadow_max_batch") and spec is not None:
+            if name == "shadow":
+                if value not in ("on", "off"):
+                    raise SystemExit(f"--fused-rows {item!r}: shadow is on or off, not {value!r}")
+                opts["spec_shadow"] = value == "on"
+                if value == "on":
+                    opts["spec_shadow_max_batch"] = 1 << 30
+            else:
+                opts["spec_" + name] = float(value) if name == "row_gain" else int(value)
             continue
         if name.startswith("gate_") and spec is not None and spec.gate is not None:
             attr = name[5:]
@@ -184,7 +192,7 @@ class adaptive_set:
                 setattr(self.gate, k[5:], opts.pop(k))
         if opts.pop("gate", "on") == "off":
             self.spec.gate = None
-        own = {"spec_shadow": "shadow_on", "spec_row_gain": "row_gain"}
+        own = {"spec_shadow": "shadow_on", "spec_row_gain": "row_gain", "spec_shadow_max_batch": "shadow_max_batch"}
         self.old_spec = {}
         for k in [k for k in opts if k in own]:
             self.old_spec[own[k]] = getattr(self.spec, own[k])

@@ -47,9 +47,13 @@ def nearest(times: dict, b: int):
 
 class Speculator:
     # n-gram lookup, adaptive: replay the lookups on the emitted tokens (shadow.py) and let what they
-    # would have kept decide who guesses and when the batch verifies (no probes). Off by default
-    # until measured on the H200 (docs/speculative.md, session 15); `shadow` per instance.
-    SHADOW = False
+    # would have kept decide who guesses and when the batch verifies (no probes) -- where at most
+    # SHADOW_MAX_BATCH sequences decode (larger batches: the gate's probes, gate.py). Measured on the
+    # H200 in session 15 (docs/speculative.md): one stream free-running 0.94x -> 0.99x, copy the
+    # same; at batch 16 its first rule (the laggards' mean gain) lost (0.95x -> 0.90x free), so
+    # batches keep the gate's probes by default. Per instance: shadow_on, shadow_max_batch.
+    SHADOW = True
+    SHADOW_MAX_BATCH = 1
 
     def __init__(self, proposer, k_max: int, adaptive: bool = True, accept=accept_greedy, on_verify=None):
         """accept: the rule (drafts, targets) -> emitted tokens (the chapter plugs the learner's in);
@@ -72,7 +76,8 @@ class Speculator:
         self.times = {"verify": {}, "ahead": {}, "sync": {}}
         self.num_steps = {"verify": 0, "ahead": 0, "sync": 0}   # decode steps planned, per kind (bench)
         self._last = None        # (time, batch, guessed, ran ahead) of the latest plan()
-        self.shadow_on = self.SHADOW
+        self.shadow_on, self.shadow_max_batch = self.SHADOW, self.SHADOW_MAX_BATCH
+        self._shadow_regime = False      # the last plan() ran the shadow's rule (switching back: a fresh gate)
         self.row_gain = 1.3      # with a shadow: a request guesses when its replayed gain is at least this
         self._shadow = None
 
@@ -88,26 +93,34 @@ class Speculator:
             sh = self._shadow = Shadow(self.k_max, p.n_max, p.n_min)
         return sh
 
+    def shadow_rules(self, b: int) -> Shadow | None:
+        """The shadow, where its rule decides a step of b decoding sequences; else None."""
+        sh = self.shadow
+        return sh if sh is not None and self.gate is not None and b <= self.shadow_max_batch else None
+
     def _pays(self, sh, r) -> bool:
         g = sh.gain(r)
         return g is not None and g >= self.row_gain and can_speculate(r)
 
     def shadow_estimate(self, sched, decode: list) -> float:
-        """Tokens a verify step would emit per sequence now, by the replayed lookups: a request
-        that would not guess (its gain under row_gain) counts 1; read over the sequences the batch
-        waits for (gate_sample's laggards)."""
+        """What a verify step would be worth now, in plain steps, by the replayed lookups (a request
+        that would not guess -- its gain under row_gain -- counts 1 token a step). With requests
+        waiting for a slot (a finished one's slot is refilled at once) the mean tokens per
+        sequence. Without (laggards > 0): the batch lasts as long as its slowest sequence, so the
+        speed-up of the batch's end, max(left) / max(left / gain) over the sequences (left: tokens
+        to go before max_tokens / max_model_len) -- with equal budgets the smallest gain; a
+        sequence far from its end that does not guess holds it at 1. (Session 15's H200 run with
+        the laggards' mean instead: at batch 16 the gate opened while one topic of four looped, 400
+        guesses kept, 4 steps fewer; see docs/speculative.md.) One sequence: its gain either way."""
         sh = self.shadow
         gains = [sh.gain(r) if self._pays(sh, r) else 1.0 for r in decode]
-        share = self.gate.laggards
         if not gains:
             return 1.0
-        if not (0 < share < 1 and not sched.waiting and len(decode) > 2):
+        if sched.waiting or len(gains) == 1 or not self.gate.laggards:
             return sum(gains) / len(gains)
-        left = [min(r.params.max_new_tokens - len(r.output_token_ids) - r.num_in_flight,
-                    sched.max_model_len - r.num_tokens) for r in decode]
-        bar = sorted(left, reverse=True)[max(1, math.ceil(share * len(left))) - 1]
-        lag = [g for g, t in zip(gains, left) if t >= bar]
-        return sum(lag) / len(lag)
+        left = [max(1, min(r.params.max_new_tokens - len(r.output_token_ids) - r.num_in_flight,
+                           sched.max_model_len - r.num_tokens)) for r in decode]
+        return max(left) / max(t / g for t, g in zip(left, gains))
 
     @property
     def cost(self) -> float:
@@ -148,10 +161,14 @@ class Speculator:
             forget({r.request_id for r in sched.admitted})
         ahead = any(r.num_in_flight for r in step.decode)
         self._last = (self._last[0], step, False, ahead)
-        sh = self.shadow
-        if sh is not None and self.gate is not None:
+        sh = self.shadow_rules(len(step.decode))
+        if sh is not None:
+            self._shadow_regime = True
             self._plan_shadow(sched, step, sh, ahead)
             return
+        if self._shadow_regime and self.gate is not None:    # back from the shadow's rule: a fresh gate
+            self._shadow_regime = False
+            self.gate.reset()
         cost = self.cost
         if self.gate is not None and not self.gate.step(len(step.decode), bool(prev and prev.prefill)):
             for r in step.decode:                    # a plain step: paused requests count it
@@ -252,11 +269,11 @@ class Speculator:
         next step asks someone for guesses (a proposal starts from the last token)."""
         if self.adaptive is None:
             return any(can_speculate(r) for r in sched.admitted)
-        sh = self.shadow
-        if sh is not None and self.gate is not None:
+        decode = [r for r in sched.admitted if r.output_token_ids or r.num_in_flight]
+        sh = self.shadow_rules(len(decode))
+        if sh is not None:
             if any(r.spec_token_ids for r in sched.admitted):
                 return True
-            decode = [r for r in sched.admitted if r.output_token_ids or r.num_in_flight]
             if not decode or not any(self._pays(sh, r) for r in decode):
                 return False
             return self.gate.decide(self.shadow_estimate(sched, decode), self.batch_cost(len(decode)))
@@ -353,7 +370,7 @@ class Speculator:
                 sh.forget_except({r.request_id for r in sched.admitted})
         if log:
             batch.spec_log = log
-            if self.gate is not None and sh is None:
+            if self.gate is not None and self.shadow_rules(len(batch.decode)) is None:
                 b = len(batch.decode)
                 n, kept = self.gate_sample(sched, batch.decode, kept_by)
                 self.gate.verified(n, kept, self.batch_cost(b), batch=b)
