@@ -362,8 +362,8 @@ class Speculator:
                     extra = r.blocks[keep:]
                     del r.blocks[keep:]
                     sched.allocator.free(extra)
-        sh = self.shadow
-        if sh is not None:
+        sh = self.shadow_rules(len(batch.decode) + len(batch.prefill))
+        if sh is not None:          # (larger batches: no replay work; it catches up when it decides again)
             for r in batch.sampled:
                 sh.update(r)
             if len(sh.states) > 2 * len(sched.admitted) + 8:       # who left (by id; rebuilt if back)
