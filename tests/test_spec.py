@@ -113,11 +113,13 @@ def run_stream(llm, prompts, params, seed, abort_at=()):
     return [done[i] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive", "overlap+shadow"])
+@pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive", "overlap+shadow",
+                                     "overlap+default"])
 def test_greedy_identity_on_random_streams(variant, monkeypatch):
     """overlap+adaptive: the overlap loop runs a step ahead wherever nobody guesses (requests the
     adaptive k paused), and reads the step in flight first where someone will. overlap+shadow: the
-    same with the lookups' replay deciding who guesses (spec/shadow.py)."""
+    same with the lookups' replay deciding who guesses (spec/shadow.py); overlap+default: the replay
+    where one sequence decodes, the gate's probes where more do (arrivals switch between them)."""
     rnd = random.Random(len(variant))
     prompts = copy_prompts(rnd, 10)
     prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
@@ -141,17 +143,27 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
             params.append(SamplingParams(max_tokens=rnd.randint(1, 30) if kind == "len" else 30, ignore_eos=True))
     want = run_stream(plain, prompts, params, seed=1)
     sc = NGRAM
-    if variant.startswith("overlap+"):      # a verify step costs 2.5 plain ones (not timed: the same pauses each run),
-        from pagedlab.spec.speculator import Speculator          # and 1.2 for the batch's gate
-        monkeypatch.setattr(Speculator, "cost", property(lambda self: 2.5))
+    if variant.startswith("overlap+"):      # fixed costs (not timed: the same pauses each run): a verify step
+        from pagedlab.spec.speculator import Speculator          # 2.5 plain ones per request, 1.2 the batch's
+        monkeypatch.setattr(Speculator, "cost", property(lambda self: 1.0 if variant == "overlap+default" else 2.5))
         monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.2 if variant == "overlap+adaptive" else 1.0)
-        monkeypatch.setattr(Speculator, "SHADOW", variant == "overlap+shadow")
-        monkeypatch.setattr(Speculator, "SHADOW_MAX_BATCH", 1 << 30)
+        if variant != "overlap+default":
+            monkeypatch.setattr(Speculator, "SHADOW", variant == "overlap+shadow")
+            monkeypatch.setattr(Speculator, "SHADOW_MAX_BATCH", 1 << 30)
         sc = dict(NGRAM, adaptive=True)
     spec = tiny_llm(speculative_config=sc, **kw)
-    if variant == "overlap+shadow":         # the gate open whenever a request's replayed lookups pay,
+    if variant in ("overlap+shadow", "overlap+default"):    # the gate open whenever a request's replayed lookups pay,
         spec.engine.speculator.gate.open_margin = 0.0           # and a low bar for each: verify steps
         spec.engine.speculator.row_gain = 1.2                   # and steps run ahead both
+    regimes = []
+    if variant == "overlap+default":
+        s, plan = spec.engine.speculator, spec.engine.speculator.plan
+
+        def watched(sched, step):
+            plan(sched, step)
+            if step.decode:
+                regimes.append(s._shadow_regime)
+        s.plan = watched
     got = run_stream(spec, prompts, params, seed=2, abort_at=(3, 7))
     for i, (a, b) in enumerate(zip(want, got)):
         if b.finish_reason == "abort":
@@ -164,7 +176,9 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
         assert sum(r.num_preemptions for r in got) > 0 and spec.engine.scheduler.allocator.prefix_hits > 0
     if variant.startswith("overlap+"):
         assert spec.engine.overlap and spec.engine.num_overlapped >= 5, spec.engine.num_overlapped
-        assert (s.shadow is not None) == (variant == "overlap+shadow")
+        assert (s.shadow is not None) == (variant != "overlap+adaptive")
+    if variant == "overlap+default":            # both rules ran (the stream ends with one sequence)
+        assert True in regimes and False in regimes, regimes
 
 
 def test_sampling_penalties_logprobs_stop_strings_identical():
