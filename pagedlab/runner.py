@@ -104,10 +104,13 @@ class ModelRunner:
             from .cuda_graph import DEFAULT_SIZES, DecodeGraphs
             # speculative: a graph for every row count of one sequence's verify (1 + 1..k rows)
             sizes = sorted(set(DEFAULT_SIZES) | set(range(1, rows_per_seq + 1)))
+            capture = cuda_graphs is True
+            biggest = min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH)
+            if self.GRAPH_PREFILL_SIZES:                 # graphs for the prompt steps too
+                biggest = max(biggest, min(self.prefill_rows_limit(capture), MAX_GRAPH_BATCH))
             with self._verify_kernels(rows_per_seq):
                 self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
-                                           min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH),
-                                           sizes=sizes, capture=cuda_graphs is True)
+                                           biggest, sizes=sizes, capture=capture)
         self.last: Launch | None = None      # the latest launch, if it completed
         # called with each batch once its device work is queued, before anything waits for it:
         # host work that needs no result of the step runs there while the device computes
@@ -153,6 +156,18 @@ class ModelRunner:
     # CPU tests' graph code path); 0: off. Rows past the largest captured graph stay eager.
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 80
+    # The captured sizes go up to max_num_seqs * rows_per_seq, so an engine of few slots replays
+    # none but its shortest prompts. GRAPH_PREFILL_SIZES: capture the DEFAULT_SIZES up to the
+    # prefill bound above too (at load, where graphs are captured), so that a prompt step of up to
+    # that many rows replays whatever max_num_seqs is. Decode steps never use the extra sizes.
+    GRAPH_PREFILL_SIZES = False
+
+    def prefill_rows_limit(self, captured: bool) -> int:
+        """The most rows (prompt + decode) of a step with prompt tokens that replays a graph."""
+        limit = self.GRAPH_PREFILL_ROWS
+        if limit is None:
+            limit = self.GRAPH_PREFILL_AUTO if captured else 0
+        return limit
 
     def replays(self, batch) -> bool:
         """Is this step a CUDA-graph replay (decode only -- or a few prompt tokens, see
@@ -162,9 +177,7 @@ class ModelRunner:
         rows = len(batch.decode)
         guesses = sum(len(r.spec_token_ids) for r in batch.decode) if self.speculative else 0
         if batch.prefill:
-            limit = self.GRAPH_PREFILL_ROWS
-            if limit is None:
-                limit = self.GRAPH_PREFILL_AUTO if self.graphs.capture else 0
+            limit = self.prefill_rows_limit(self.graphs.capture)
             if guesses:
                 return False
             rows += sum(r.num_scheduled for r in batch.prefill)

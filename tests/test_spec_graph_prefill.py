@@ -53,3 +53,27 @@ def test_the_default_replays_prompt_rows_only_where_graphs_are_captured(monkeypa
     assert runner.replays(step(4, 6)) and not runner.replays(step(5, 6)) and not runner.replays(step(11))
     monkeypatch.setattr(runner, "GRAPH_PREFILL_ROWS", 0)
     assert not runner.replays(step(1))
+
+
+def test_prefill_sizes_reach_past_max_num_seqs(monkeypatch):
+    """GRAPH_PREFILL_SIZES: the graphs go up to the prefill bound whatever max_num_seqs is, so a
+    2-slot engine replays prompts of up to 24 tokens whole -- token for token the eager path --
+    while its decode steps keep their own sizes."""
+    rnd = random.Random(9)
+    prompts = [[rnd.randrange(3, 400) for _ in range(n)] for n in (23, 5, 17, 24, 30)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", max_num_seqs=2, cuda_graphs="eager", block_size=4)
+    eager = tiny_llm(**kw)
+    want = [eager.generate(p, params)[0] for p in prompts]          # one stream: a prompt at a time
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 24)
+    plain = tiny_llm(**kw).engine.runner.graphs
+    assert plain.sizes == [1, 2]                    # without: nothing past the slots
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_SIZES", True)
+    seen, rows = [], ModelRunner._prompt_rows
+    monkeypatch.setattr(ModelRunner, "_prompt_rows", lambda self, prefill: seen.append(
+        sum(r.num_scheduled for r in prefill)) or rows(self, prefill))
+    llm = tiny_llm(**kw)
+    assert llm.engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 24]
+    got = [llm.generate(p, params)[0] for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert 23 in seen and 24 in seen and 30 not in seen          # the 30-token prompt runs eagerly

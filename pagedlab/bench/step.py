@@ -11,7 +11,13 @@ This command measures, for each programmatic-dependent-launch mode (kernels/pdl.
                the engine's step overlap on and off (engine.py: launch step n+1 before reading n)
 
 and checks that every variant generates exactly the same tokens (PDL and overlap change when
-things run, never what they compute). Default model: the Llama-3.2-1B config, random bf16 weights.
+things run, never what they compute).
+
+--timeline: where one stream's wall time goes OUTSIDE the decode graph (bench/timeline.py: one
+profiled generate cut into the prompt step, the replays, the gaps between them and the tail),
+for bf16 and FP8 weights, with the prompt step eager (runner.GRAPH_PREFILL_SIZES off) and
+replayed (captured sizes up to the 128-token prompt); one process, a fresh engine per row
+(step_timeline.json). Default model: the Llama-3.2-1B config, random bf16 weights.
 Writes step_bench.json (and prints a table). The PDL mode reaches the kernels through
 LLM(kernel_options={"pdl": mode}) (select_kernels binds it); overlap through LLM(overlap=...).
 """
@@ -58,6 +64,66 @@ def graph_step_us(llm, context: int) -> tuple[float, float]:
     return graph_us, kernels_us
 
 
+TIMELINE_ROWS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True), ("bf16", False),
+                 ("bf16", True))
+TIMELINE_PREFILL_ROWS = 128        # the one-stream prompt: replayed whole when the sizes reach it
+
+
+def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int) -> dict:
+    """One engine (max_num_seqs 8, max_model_len 2048: bench gemv's one stream): its load time,
+    one stream (median of 5), the batch-1 graph replay at `context`, and the timeline."""
+    import time
+    from pagedlab.bench.timeline import one_stream_timeline
+    from pagedlab.llm import LLM
+    from pagedlab.runner import ModelRunner
+    saved = ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO
+    if prefill_graphs:
+        ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = True, TIMELINE_PREFILL_ROWS
+    else:
+        ModelRunner.GRAPH_PREFILL_SIZES = False
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
+                  show_progress=False, quantization=None if weights == "bf16" else weights)
+        torch.cuda.synchronize()
+        row = dict(weights=weights, prefill_graphs=prefill_graphs, load_s=round(time.perf_counter() - t0, 2),
+                   graph_sizes=list(llm.engine.runner.graphs.sizes))
+        run = one_stream(llm, random_prompt(), keep_tokens=True)
+        row["tokens"] = run.pop("token_ids")[0]
+        row["one_stream"] = run
+        row["timeline"] = one_stream_timeline(llm, random_prompt(), run["tokens"])
+        row["graph_us"], row["kernels_us"] = graph_step_us(llm, context)
+    finally:
+        ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = saved
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def timeline_main(args, argv) -> None:
+    from pagedlab.weights import load_checkpoint
+    ckpt = load_checkpoint(args.model, show_progress=False)
+    path = out_dir(args.out) / "step_timeline.json"
+    res = dict(metadata("python -m pagedlab bench step --timeline", argv), model=ckpt.source,
+               context=args.context, rows=[])
+    first = {}
+    for weights, pg in TIMELINE_ROWS:
+        row = timeline_row(ckpt, weights, pg, args.context)
+        first.setdefault(weights, row["tokens"])
+        a, b = first[weights], row["tokens"]
+        row["same_tokens_as_first"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
+        row["tokens"] = row["tokens"][:16]
+        res["rows"].append(row)
+        write_json(path, res)
+        o, t = row["one_stream"], row["timeline"]
+        print(f"{weights} prefill graphs {pg}: load {row['load_s']} s, one stream {o['tokens_per_s']:.1f} tok/s "
+              f"{o['runs_tokens_per_s']}, TTFT {o['ttft_ms']}, ITL {o['itl_ms']}, graph {row['graph_us']:.1f} us, "
+              f"same tokens {row['same_tokens_as_first']:.3f}", flush=True)
+        print("  timeline:", json.dumps(t), flush=True)
+    print(device_line(res))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m pagedlab bench step", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,8 +131,13 @@ def main(argv=None):
     p.add_argument("--modes", default="off,late", help="PDL modes (kernels/pdl.py): off, late")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--out", default="figures")
+    p.add_argument("--timeline", action="store_true",
+                   help="where one stream's time goes outside the decode graph, prompt step eager and "
+                        "replayed, bf16 and FP8 (step_timeline.json)")
     args = p.parse_args(argv)
     require_cuda("bench step")
+    if args.timeline:
+        return timeline_main(args, argv)
 
     from pagedlab.kernels import pdl
     from pagedlab.llm import LLM
