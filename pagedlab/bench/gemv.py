@@ -582,32 +582,15 @@ def one_stream_attention(out, argv=None, budget_s: float = 200.0, order=None, lo
 
 
 # Session 14: the batch-1 step's fixed costs, one change at a time against the same baseline.
-# Every variant is (gemv_config changes, decode_config changes); the baseline sets the decode
-# kernel's PRELOAD / ONE_PASS off explicitly, so it is session 13's step whatever the defaults.
-_ATTN_OFF = {"split_kv": dict(PRELOAD=0, ONE_PASS=0), "gqa": dict(PRELOAD=0)}
-_ATTN_ON = {"split_kv": dict(PRELOAD=2, ONE_PASS=1), "gqa": dict(PRELOAD=2)}
-
-
-def _self_pf(cols: int, qkv_cols: int = 256, o_cols: int = 0) -> dict:
-    """SELF_PF for every GEMV entry (bf16 and FP8): gate/up, down and the LM head `cols` columns,
-    QKV `qkv_cols` (its K slice is 256 columns), O `o_cols` (QKV's PREFETCH already pulls O)."""
-    per = dict(qkv=qkv_cols, residual=o_cols, swiglu=cols, down=cols, lm_head=cols)
-    return {k + sfx: dict(SELF_PF=v) for k, v in per.items() for sfx in ("", "_fp8")}
-
-
+# Every variant is (gemv_config changes, decode_config changes). (Session 14's GEMV SELF_PF and
+# attention PRELOAD / ONE_PASS rows measured no better and were removed in session 15.)
 def latency_variants() -> dict:
-    """name -> (group, gemv_config changes, decode_config changes or None = the baseline's) for
+    """name -> (group, gemv_config changes, decode_config changes or None = the defaults) for
     `--variants latency`. Variants of one group change the same thing; the combination takes each
-    group's best. (Tile changes are bf16 entries only; SELF_PF and the attention apply to FP8 too.)"""
+    group's best. (Tile changes are bf16 entries only.)"""
     pf = prefetch_variants()
     return {
         "base": ("base", {}, None),
-        "attn_preload": ("attention", {}, {"split_kv": dict(PRELOAD=2, ONE_PASS=0), "gqa": dict(PRELOAD=2)}),
-        "attn_preload_one_pass": ("attention", {}, _ATTN_ON),
-        "attn_one_pass": ("attention", {}, {"split_kv": dict(PRELOAD=0, ONE_PASS=1), "gqa": dict(PRELOAD=0)}),
-        "self_pf_512": ("self_pf", _self_pf(512), None),
-        "self_pf_1024": ("self_pf", _self_pf(1024), None),
-        "self_pf_512_o": ("self_pf", _self_pf(512, o_cols=512), None),
         "qkv_nosplit": ("qkv", {"qkv": dict(BLOCK_R=4, K_SPLIT=2048, BLOCK_K=512, num_stages=2)}, None),
         "down_nosplit": ("down", {"down": dict(BLOCK_R=4, K_SPLIT=8192, BLOCK_K=512)}, None),
         "pf_chain": ("prefetch", {k: v for k, v in pf["pf_chain"].items() if not k.endswith("_fp8")}, None),
@@ -617,9 +600,8 @@ def latency_variants() -> dict:
     }
 
 
-LATENCY_ORDER = ["base", "attn_preload_one_pass", "self_pf_512", "self_pf_1024", "qkv_nosplit",
-                 "down_nosplit", "attn_preload", "base", "self_pf_512_o", "pf_chain", "swiglu_r8",
-                 "o_r4", "attn_one_pass", "pf_o_gu", "base"]
+LATENCY_ORDER = ["base", "qkv_nosplit", "down_nosplit", "base", "pf_chain", "swiglu_r8", "o_r4",
+                 "pf_o_gu", "base"]
 
 
 def _merge_changes(parts) -> dict:
@@ -629,8 +611,6 @@ def _merge_changes(parts) -> dict:
             out.setdefault(key, {}).update(change)
     return out
 
-
-_GEMV_OFF = _self_pf(0, 0, 0)     # the baseline's GEMVs: no SELF_PF, whatever the defaults
 
 
 def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, margin_us: float = 2.0) -> dict:
@@ -675,7 +655,7 @@ def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, marg
             print(f"budget: skipped {name}", flush=True)
             continue
         _, gc, dc = variants[name]
-        r = run("bf16", name, _merge_changes([_GEMV_OFF, gc]), dc or _ATTN_OFF, stream=(i == 0))
+        r = run("bf16", name, gc or None, dc, stream=(i == 0))
         if r is not None:
             graph.setdefault(name, []).append(r["graph_us"])
     base = sum(graph["base"]) / len(graph["base"])
@@ -689,11 +669,11 @@ def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, marg
     res["base_graph_us"] = base
     res["chosen"] = chosen
     print(f"baseline {base:.1f} us; combination: {chosen}", flush=True)
-    gc = _merge_changes([_GEMV_OFF] + [variants[n][1] for n in chosen])
-    dc = _merge_changes([_ATTN_OFF] + [variants[n][2] for n in chosen if variants[n][2]])
+    gc = _merge_changes([variants[n][1] for n in chosen]) or None
+    dc = _merge_changes([variants[n][2] for n in chosen if variants[n][2]]) or None
     res["combination"] = dict(gemv=gc, decode=dc)
     run("bf16", "combination", gc, dc, stream=True)
-    run("fp8", "base", _GEMV_OFF, _ATTN_OFF, stream=True)
+    run("fp8", "base", None, None, stream=True)
     run("fp8", "combination", gc, dc, stream=True)
     if time.time() - t0 < budget_s - 10:
         # FP8 gate/up and down in tiles that fit the registers (offline sm_90 builds, Triton 3.9:
@@ -701,9 +681,9 @@ def one_stream_latency(out, argv=None, budget_s: float = 120.0, order=None, marg
         # one program per SM; 16 x 512 of 4 warps takes 178, no spill, two per SM)
         res["fp8_tiles"] = fp8_tiles = dict(swiglu_fp8=dict(BLOCK_R=16, BLOCK_K=512, num_warps=4, num_stages=2),
                                             down_fp8=dict(BLOCK_R=8, BLOCK_K=1024, num_warps=4, num_stages=2))
-        run("fp8", "combination+tiles", _merge_changes([gc, fp8_tiles]), dc, stream=True)
+        run("fp8", "combination+tiles", _merge_changes([gc or {}, fp8_tiles]), dc, stream=True)
     if time.time() - t0 < budget_s:
-        run("bf16", "base", _GEMV_OFF, _ATTN_OFF, stream=True)
+        run("bf16", "base", None, None, stream=True)
     return res
 
 

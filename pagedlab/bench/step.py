@@ -64,7 +64,7 @@ def graph_step_us(llm, context: int) -> tuple[float, float]:
     return graph_us, kernels_us
 
 
-TIMELINE_ROWS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True), ("bf16", False))
+TIMELINE_ROWS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True))
 TIMELINE_PREFILL_ROWS = 128        # the one-stream prompt: replayed whole when the sizes reach it
 
 

@@ -63,8 +63,7 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
         fns[fn] = impl
     if backend == "triton":
         fns["decode_attention"] = functools.partial(
-            fns["decode_attention"], variant=decode_variant, config=options["decode_config"], pdl=pdl,
-            preload=True)       # the model's decode step: only the newest key is new (see the launcher)
+            fns["decode_attention"], variant=decode_variant, config=options["decode_config"], pdl=pdl)
         fns["prefill_attention"] = functools.partial(fns["prefill_attention"],
                                                      config=options["prefill_config"])
         for fn, key in CONFIG_KEYS.items():

@@ -74,24 +74,14 @@ VARIANTS = ("naive", "blocked", "gqa", "split_kv")
 # 128 and 256 (e.g. 540 us vs 592 us for (64, 4, 2) at batch 256 x 4096). split_kv's MERGE_TILE:
 # fp32 values per step of its merge (16 KB), see _merge_chunk. Read-only: pass another config
 # (launch.merge_config(DECODE_CONFIG, {...})) instead of changing it.
-# gqa/split_kv PRELOAD: at one row (batch 1), the first tile of keys/values is read before the
-# PDL wait where the caller allows it (the launcher's `preload`; see _decode_gqa_kernel), for
-# grids of at most PRELOAD programs per SM (0 = never): the tile is held in registers (twice the
-# kernel's, sm_90 build), so the launch runs PRELOAD_WARPS warps a program -- cheap only while
-# programs are few.
-# split_kv ONE_PASS: a merge whose splits fit one chunk reads m, l and acc in one round of loads
-# (bit for bit the two-pass merge's result under the interpreter and in the GPU tests).
-# Both OFF: on the H200 (2026-12-02, docs/kernels.md "One stream, session 14") PRELOAD + ONE_PASS
-# made the batch-1 graph 883.0-883.5 us against 885.9-889.4 (inside the noise) and FP8's 662.3
-# against 684.4 (one run each), but the engine's greedy tokens left the default's after ~97 of
-# 256 (FP8 ~139): not explained yet (the 8-warp merge's summation order is the suspect; a race
-# is not ruled out) -- so not the default.
+# (Session 14 tried reading the first K/V tile before the PDL wait at one row, PRELOAD, and a
+# one-round merge, ONE_PASS: inside the noise in bf16 and not token-identical in the engine;
+# removed in session 15 -- docs/kernels.md "One stream, session 14/15".)
 DECODE_CONFIG = freeze({
     "naive": {"num_warps": 1, "num_stages": 1},
     "blocked": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "PRELOAD": 0, "PRELOAD_WARPS": 8},
-    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096, "PRELOAD": 0,
-                 "PRELOAD_WARPS": 8, "ONE_PASS": 0},
+    "gqa": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+    "split_kv": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "MERGE_TILE": 4096},
 })
 # auto: split the context when gqa would give each SM fewer than SPLIT_BELOW_PROGRAMS_PER_SM
 # programs; then aim for SPLIT_PROGRAMS_PER_SM programs per SM, no split shorter than
@@ -199,24 +189,14 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
                        HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                        NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr, IDX64: tl.constexpr,
-                       PDL: tl.constexpr, GM: tl.constexpr = 1, MERGE_CH: tl.constexpr = 1,
-                       PRELOAD: tl.constexpr = 0, ONE_PASS: tl.constexpr = 0):
+                       PDL: tl.constexpr, GM: tl.constexpr = 1, MERGE_CH: tl.constexpr = 1):
     # Layouts are fixed (q/out [B, Hq, D], caches [N, BS, HKV, D], all contiguous), so every
     # stride is a compile-time constant: fewer kernel arguments = a cheaper launch, and cheaper
     # address arithmetic (int32 unless the pool has >= 2^31 elements).
-    # PRELOAD (one row, the launcher's `preload`): the first tile of keys and values is loaded
-    # BEFORE the PDL wait, with the sequence length and the block table -- all written by kernels
-    # before the previous one -- except the sequence's newest key (position seq_len - 1, which
-    # the QKV kernel just before this one stores), loaded after the wait through L2 (.cg). At a
-    # short context that first tile is a split's whole work: what is left after the wait is q,
-    # one dot, the softmax and the merge. The same values reach the same arithmetic (bit for bit
-    # under the interpreter and in the GPU tests; the launcher runs it at PRELOAD_WARPS warps,
-    # whose reductions may associate differently -- see DECODE_CONFIG).
+    pdl_start(PDL)                  # programmatic dependent launch (pdl.py)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if not PRELOAD:
-        pdl_start(PDL)              # programmatic dependent launch (pdl.py)
     seq_len = tl.load(sl_ptr + b)
     if NUM_SPLITS > 1:
         # Split THIS sequence's context evenly (whole BLOCK_N tiles): a short sequence uses only
@@ -232,40 +212,14 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
     dmask = offs_d < D
     heads = kvh * G + offs_g
     q_rows = b.to(tl.int64) * (HKV * G) + heads                      # row of q / out [B*Hq, D]
-    bt_row = bt_ptr + b.to(tl.int64) * max_blocks
-    if PRELOAD:
-        k_pos0 = start_n + offs_n                                     # the first tile
-        in0 = k_pos0 < end_n
-        old0 = (in0 & (k_pos0 < seq_len - 1))[:, None] & dmask[None, :]
-        blk0 = tl.load(bt_row + k_pos0 // BS, mask=in0, other=0)
-        if IDX64:
-            blk0 = blk0.to(tl.int64)
-        row0 = ((blk0 * BS + k_pos0 % BS) * HKV + kvh) * D
-        k0 = tl.load(k_ptr + row0[:, None] + offs_d[None, :], mask=old0, other=0.0)
-        v0 = tl.load(v_ptr + row0[:, None] + offs_d[None, :], mask=old0, other=0.0)
-        pdl_start(PDL)
     q = tl.load(q_ptr + q_rows[:, None] * D + offs_d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * max_blocks
 
     m_i = tl.full([GP], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-    loop_start = start_n
-    if PRELOAD:
-        new0 = (in0 & (k_pos0 == seq_len - 1))[:, None] & dmask[None, :]
-        k = tl.where(new0, tl.load(k_ptr + row0[:, None] + offs_d[None, :], mask=new0, other=0.0,
-                                   cache_modifier=".cg"), k0)
-        v = tl.where(new0, tl.load(v_ptr + row0[:, None] + offs_d[None, :], mask=new0, other=0.0,
-                                   cache_modifier=".cg"), v0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
-        s = tl.where(in0[None, :], s, float("-inf"))
-        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, IEEE)
-        loop_start = start_n + BLOCK_N
-    for start in range(loop_start, end_n, BLOCK_N):
+    for start in range(start_n, end_n, BLOCK_N):
         k_pos = start + offs_n
         kmask = k_pos < end_n
         blk = tl.load(bt_row + k_pos // BS, mask=kmask, other=0)
@@ -312,37 +266,23 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
                 m_rows = (b.to(tl.int64) * (HKV * G) + kvh * G + offs_h) * NUM_SPLITS    # [GM]
                 offs_s = tl.arange(0, MERGE_CH)
                 m_max = tl.full([GM], -1.0e30, dtype=tl.float32)
-                if ONE_PASS:
-                    # all splits fit one chunk (the launcher checks): m, l and acc in one round
-                    # of loads instead of two -- the same sums in the same order
-                    smask = hmask[:, None] & (offs_s < used)[None, :]
-                    r = m_rows[:, None] + offs_s[None, :]
+                for s0 in range(0, used, MERGE_CH):
+                    smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
+                    r = m_rows[:, None] + s0 + offs_s[None, :]                       # [GM, CH]
                     m_s = tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30, cache_modifier=".cg")
-                    l_s = tl.load(ml_ptr + r * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+                    m_max = tl.maximum(m_max, tl.max(m_s, axis=1))
+                l_tot = tl.zeros([GM], dtype=tl.float32)
+                o = tl.zeros([GM, BLOCK_D], dtype=tl.float32)
+                for s0 in range(0, used, MERGE_CH):
+                    smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
+                    r = m_rows[:, None] + s0 + offs_s[None, :]
+                    w = tl.exp2(tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30,
+                                        cache_modifier=".cg") - m_max[:, None])       # 0 if masked
+                    l_tot += tl.sum(w * tl.load(ml_ptr + r * 2 + 1, mask=smask, other=0.0,
+                                                cache_modifier=".cg"), axis=1)
                     a = tl.load(acc_ptr + r[:, :, None] * BLOCK_D + offs_d[None, None, :],
                                 mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-                    m_max = tl.maximum(m_max, tl.max(m_s, axis=1))
-                    w = tl.exp2(m_s - m_max[:, None])
-                    l_tot = tl.sum(w * l_s, axis=1)
-                    o = tl.sum(w[:, :, None] * a, axis=1)
-                else:
-                    for s0 in range(0, used, MERGE_CH):
-                        smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
-                        r = m_rows[:, None] + s0 + offs_s[None, :]                   # [GM, CH]
-                        m_s = tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30, cache_modifier=".cg")
-                        m_max = tl.maximum(m_max, tl.max(m_s, axis=1))
-                    l_tot = tl.zeros([GM], dtype=tl.float32)
-                    o = tl.zeros([GM, BLOCK_D], dtype=tl.float32)
-                    for s0 in range(0, used, MERGE_CH):
-                        smask = hmask[:, None] & (s0 + offs_s < used)[None, :]
-                        r = m_rows[:, None] + s0 + offs_s[None, :]
-                        w = tl.exp2(tl.load(ml_ptr + r * 2, mask=smask, other=-1.0e30,
-                                            cache_modifier=".cg") - m_max[:, None])   # 0 if masked
-                        l_tot += tl.sum(w * tl.load(ml_ptr + r * 2 + 1, mask=smask, other=0.0,
-                                                    cache_modifier=".cg"), axis=1)
-                        a = tl.load(acc_ptr + r[:, :, None] * BLOCK_D + offs_d[None, None, :],
-                                    mask=smask[:, :, None], other=0.0, cache_modifier=".cg")
-                        o += tl.sum(w[:, :, None] * a, axis=1)
+                    o += tl.sum(w[:, :, None] * a, axis=1)
                 out = o / tl.where(l_tot > 0.0, l_tot, 1.0)[:, None]
                 o_rows = m_rows // NUM_SPLITS
                 tl.store(o_ptr + o_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -453,19 +393,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                             max_seq_len: int | None = None, variant: str = "auto",
                             num_splits: int | None = None, *, config=DECODE_CONFIG,
-                            pdl: str | None = None, preload: bool = False) -> torch.Tensor:
+                            pdl: str | None = None) -> torch.Tensor:
     """Same contract as decode_attention_torch, plus `variant` (naive | blocked | gqa | split_kv |
     auto) and, for split_kv, an optional fixed `num_splits`. max_seq_len (an upper bound on
     seq_lens, host int) only sizes the split_kv grid; without it the bound is
     block_table.shape[1] * block_size. `config`: launch parameters per variant (the layout of
     DECODE_CONFIG); `pdl`: the PDL mode of the gqa/split_kv launch (pdl.py; None = the device's
-    default). `preload` (gqa/split_kv, where the config's PRELOAD allows it): the caller promises
-    that the kernel launched just before this one wrote none of seq_lens and the block table, and
-    of the cached keys/values only this step's tokens' -- true of the model's steps, whose QKV
-    launch stores just those (select_kernels binds it) -- so at ONE row (b == 1: the only key
-    written this step is its newest, position seq_len - 1; several rows may be one sequence's
-    prompt tokens or guesses, replayed as decode rows) the kernel reads the rest before its PDL
-    wait. No device->host sync; the split_kv scratch buffers are allocated once per shape and
+    default). No device->host sync; the split_kv scratch buffers are allocated once per shape and
     reused (CUDA-graph friendly)."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
@@ -492,7 +426,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         else:
             splits = num_splits or choose_num_splits(b, hkv, max_ctx, sm_count(q.device), block_n)
         flag = pdl_flag(q.device, pdl)
-        pre = bool(preload) and b == 1 and hkv * splits <= cfg.get("PRELOAD", 0) * sm_count(q.device)
         merge_ch = _merge_chunk(g, block_d, splits, cfg["MERGE_TILE"]) if splits > 1 else 1
         if splits > 1:
             ml_buf, acc_buf, cnt = _scratch(q.device, b, hq, hkv, splits, block_d)
@@ -504,9 +437,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), BS=bs, D=d, BLOCK_D=block_d,
             GM=triton.next_power_of_2(g),
             MERGE_CH=merge_ch, BLOCK_N=block_n, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-            IDX64=k_cache.numel() >= INT32_LIMIT, PDL=flag,
-            PRELOAD=int(pre), ONE_PASS=int(bool(cfg.get("ONE_PASS", 0)) and 1 < splits <= merge_ch),
-            num_warps=cfg.get("PRELOAD_WARPS", cfg["num_warps"]) if pre else cfg["num_warps"],
+            IDX64=k_cache.numel() >= INT32_LIMIT, PDL=flag, num_warps=cfg["num_warps"],
             num_stages=num_stages(cfg["num_stages"], q.device), **launch_options(flag))
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1

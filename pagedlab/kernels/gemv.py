@@ -83,11 +83,6 @@ _FUSED_ROWS = [False]
 # see _prefetch_l2). qkv only, one decode token: ATTN (the decode attention runs in the QKV
 # launch's tail -- norm_qkv_rope_store_attend_triton -- when the step's context bound is at most
 # ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention).
-# SELF_PF (one token, PDL launches only): each program first asks L2 for its first SELF_PF
-# columns of its own weight rows, BEFORE its PDL wait -- so the memory system streams while the
-# kernel before drains (_l2_prefetch_rows); 0 = off. Off: measured SLOWER on the H200
-# (2026-12-02, docs/kernels.md "One stream, session 14": bf16 graph 939.2 us with 512 columns,
-# 975.1 with 1,024, against 885.9-889.4 without).
 # ATTN is off: measured exact but SLOWER on the H200 (2026-12-02, docs/kernels.md "One stream,
 # session 13": bf16 graph 983.0 us against 890.0, FP8 688.6 against 680.0 -- the tail runs one
 # program per KV head after the GEMV has drained).
@@ -102,25 +97,25 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # projection into L2 (PREFETCH): graph replay 891.8 us against 901.5 / 900.5 without, same
     # run, same tokens (2026-12-02, docs/one_stream_variants.json). Prefetching in the other
     # launches too was measured only beside a change since dropped (docs/kernels.md).
-    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0, SELF_PF=0,
+    "qkv": dict(BLOCK_R=16, K_SPLIT=256, BLOCK_K=256, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=256, PREFETCH_MB=0,
                 ATTN=0, ATTN_BLOCK_N=128),
-    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
+    "swiglu": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     # the MLP's down projection (K = intermediate > N = hidden): linear_residual's down_config
-    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
+    "down": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=3, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     # the same kernels on FP8 weights (quantization.FP8Weight), which the launchers take as
     # `fp8_config`: a byte per weight, so the tiles are wider in K (8 warps hold the fp32
     # products). First tuned 2026-12-01 (bench gemv --fp8 --tune: docs/gemv_fp8_bench.json);
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
-    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0,
+    "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0,
                     ATTN=0, ATTN_BLOCK_N=128),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
-    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0, SELF_PF=0),
+    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
 })
 CONFIG_ENV_VAR = "PAGEDLAB_GEMV_CONFIG"
 
@@ -200,40 +195,16 @@ def _partial_dot(x, w, acc, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _l2_prefetch_rows(w_ptr, rows, rmask, k_lo, K, LINES: tl.constexpr):
-    """Ask L2 for the first LINES 128-byte lines from column k_lo of weight rows `rows` (clipped to
-    K): one `prefetch.global.L2` per line, nothing waits for it and no register holds the data.
-    Masked-off rows and columns past K prefetch row 0's first line instead (harmless). Inline PTX
-    (prefetch.global.L2 exists on every CUDA GPU Triton targets); called only on PDL launches,
-    never under the interpreter."""
-    PER_LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth    # elements per 128 B
-    cols = k_lo + tl.arange(0, LINES) * PER_LINE
-    ok = rmask[:, None] & (cols < K)[None, :]
-    off = tl.where(ok, rows[:, None] * K + cols[None, :], 0)
-    addr = (w_ptr + off).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addr],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K, k_split,
                  HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 ACC2D: tl.constexpr = 0, SELF_PF: tl.constexpr = 0):
+                 ACC2D: tl.constexpr = 0):
     """This program's partial sums over columns [split * k_split, (split + 1) * k_split) of K:
     acc_a[M, R] (and acc_b for the paired rows) and, for the norm, sum(x^2) per token.
     PDL (pdl.py): the weights never depend on the kernel before; x does, so wait before x.
     ACC2D (one token only): keep the products in an [R, BLOCK_K] fp32 accumulator and sum over K
     once after the loop, instead of a cross-thread sum (shuffles, a barrier between warps) per
-    loop step -- the loop then only loads and multiplies-and-adds.
-    SELF_PF (PDL launches only): before waiting, pull the first SELF_PF 128-byte lines of this
-    program's slice of its weight rows into L2 (_l2_prefetch_rows), so the memory system streams
-    while the kernel before drains; after the wait the main loop finds them there."""
-    if PDL:
-        if SELF_PF > 0:
-            _l2_prefetch_rows(w_ptr, rows_a, rmask, tl.program_id(1) * k_split, K, SELF_PF)
-            if PAIRED:
-                _l2_prefetch_rows(w_ptr, rows_b, rmask, tl.program_id(1) * k_split, K, SELF_PF)
+    loop step -- the loop then only loads and multiplies-and-adds."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     mmask = offs_m < M
@@ -367,7 +338,7 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
               ws_ptr, cnt_ptr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr, HAS_SCALE: tl.constexpr,
               SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
-              PF_BLOCKS: tl.constexpr = 0, SELF_PF: tl.constexpr = 0):
+              PF_BLOCKS: tl.constexpr = 0):
     """What every kernel below starts with: this program's partial dot products (_stream_rows),
     the split-K sum (_gather_splits), the FP8 weights' per-row scales (HAS_SCALE: w holds fp8
     codes, s_ptr one fp32 scale per row; the sums were taken over the codes) and the norm's 1/rms.
@@ -379,7 +350,7 @@ def _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows_a, rows_b, rmask, M, K,
     else:
         acc_a, acc_b, sum_sq = _stream_rows(x_ptr, stride_x, g_ptr, w_ptr, rows_a, rows_b, rmask, M, K,
                                             k_split, HAS_NORM, PAIRED, BLOCK_M, BLOCK_R, BLOCK_K, PDL,
-                                            ACC2D, SELF_PF)
+                                            ACC2D)
     if SPLITS > 1:
         last, acc_a, acc_b, sum_sq = _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED,
                                                     SPLITS, BLOCK_M, BLOCK_R, PF_BLOCKS)
@@ -425,7 +396,7 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    IDX64: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
                    pf_ptr=None, pf_n=0, sink_ptr=None, PF_BLOCKS: tl.constexpr = 0,
-                   PF_BLOCK: tl.constexpr = 1024, SELF_PF: tl.constexpr = 0):
+                   PF_BLOCK: tl.constexpr = 1024):
     if PF_BLOCKS > 0:                        # the first PF_BLOCKS row blocks: L2 prefetch only
         if tl.program_id(0) < PF_BLOCKS:
             _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
@@ -436,7 +407,7 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
     w_rows = rows.to(tl.int64) if IDX64 else rows
     last, acc, _ = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, w_rows, w_rows, rmask, M, K, k_split,
                              eps, ws_ptr, cnt_ptr, HAS_NORM, False, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                             BLOCK_K, PDL, ACC2D, PF_BLOCKS, SELF_PF)
+                             BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         omask = (offs_m < M)[:, None] & rmask[None, :]
@@ -472,7 +443,7 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTE
                    stride_x, stride_o, HAS_SCALE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                    ACC2D: tl.constexpr = 0, pf_ptr=None, pf_n=0, sink_ptr=None,
-                   PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024, SELF_PF: tl.constexpr = 0):
+                   PF_BLOCKS: tl.constexpr = 0, PF_BLOCK: tl.constexpr = 1024):
     if PF_BLOCKS > 0:
         if tl.program_id(0) < PF_BLOCKS:
             _prefetch_l2(pf_ptr, pf_n, sink_ptr, PF_BLOCKS, PF_BLOCK)
@@ -481,7 +452,7 @@ def _swiglu_kernel(x_ptr, g_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr, M, INTE
     rmask = rows < INTER
     last, gate, up = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + INTER, rmask, M, K,
                                k_split, eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M,
-                               BLOCK_R, BLOCK_K, PDL, ACC2D, PF_BLOCKS, SELF_PF)
+                               BLOCK_R, BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         out = gate / (1.0 + tl.exp(-gate)) * up
         offs_m = tl.arange(0, BLOCK_M)
@@ -496,7 +467,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
                            SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr, ACC2D: tl.constexpr = 0,
                            pf_ptr=None, pf_n=0, sink_ptr=None, PF_BLOCKS: tl.constexpr = 0,
-                           PF_BLOCK: tl.constexpr = 1024, SELF_PF: tl.constexpr = 0,
+                           PF_BLOCK: tl.constexpr = 1024,
                            o_ptr=None, bt_ptr=None, sl_ptr=None, gcnt_ptr=None, sm_scale=1.0,
                            max_blocks=0, ATTN: tl.constexpr = 0, BS: tl.constexpr = 16,
                            GP: tl.constexpr = 16, BLOCK_N: tl.constexpr = 128,
@@ -516,7 +487,7 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
     rows = head * D + i
     last, a, b = _dot_rows(x_ptr, stride_x, g_ptr, w_ptr, s_ptr, rows, rows + HALF, imask, M, K, k_split,
                            eps, ws_ptr, cnt_ptr, True, True, HAS_SCALE, SPLITS, BLOCK_M, BLOCK_R,
-                           BLOCK_K, PDL, ACC2D, PF_BLOCKS, SELF_PF)
+                           BLOCK_K, PDL, ACC2D, PF_BLOCKS)
     if last:
         offs_m = tl.arange(0, BLOCK_M)
         mmask = offs_m < M
@@ -598,18 +569,7 @@ def _prefetch_args(prefetch, splits, cfg, block_m, device):
 PF_BLOCK = 4096
 
 
-def _self_prefetch_lines(cfg, k_split, w_bytes, block_m, flag):
-    """SELF_PF of a launch: the config's SELF_PF columns (at most the program's k_split) as
-    128-byte lines of its weight rows, a power of two (rounded down); 0 unless one token on a PDL
-    launch."""
-    cols = min(cfg.get("SELF_PF", 0), k_split)
-    if not cols or block_m != 1 or not flag:
-        return 0
-    lines = max(1, cols * w_bytes // 128)
-    return 1 << (lines.bit_length() - 1)
-
-
-def _plan(x, k, row_blocks, cfg, pdl, prefetch=None, w_bytes=2):
+def _plan(x, k, row_blocks, cfg, pdl, prefetch=None):
     """(grid, kernel keyword arguments, workspace, counters, k_split) for one launch. The
     split-K workspace and the counters (zero between launches) are allocated once per shape and
     reused, so the launch can live in a CUDA graph. prefetch: a weight to pull into L2 with
@@ -643,7 +603,6 @@ def _plan(x, k, row_blocks, cfg, pdl, prefetch=None, w_bytes=2):
     pf_blocks, pf_kwargs = _prefetch_args(prefetch, splits, cfg, block_m, x.device)
     kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
                   ACC2D=int(bool(cfg.get("ACC2D", 0)) and block_m == 1),
-                  SELF_PF=_self_prefetch_lines(cfg, k_split, w_bytes, block_m, flag),
                   num_warps=cfg["num_warps"], num_stages=num_stages(cfg["num_stages"], x.device),
                   **pf_kwargs, **launch_options(flag))
     return (row_blocks + pf_blocks, splits), kwargs, ws, cnt, k_split
@@ -726,8 +685,7 @@ def _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_ma
     x = _rows2d(x)
     q = torch.empty((t, num_heads, d), dtype=x.dtype, device=x.device)
     grid, kw, ws, cnt, k_split = _plan(
-        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl, prefetch,
-        w.element_size())
+        x, k, lambda r: (num_heads + 2 * hkv) * triton.cdiv(d // 2, r), config, pdl, prefetch)
     out = q
     if attn is not None:
         from .online_softmax import LOG2E
@@ -838,7 +796,7 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False, pref
     out = torch.empty((t, n), dtype=out_dtype, device=x.device)
     r = _rows2d(residual) if residual is not None else out
     grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(n, r), cfg, pdl,
-                                       None if greedy else prefetch, w.element_size())
+                                       None if greedy else prefetch)
     best = torch.empty((2, t, grid[0]), dtype=torch.float32, device=x.device) if greedy else out
     _linear_kernel[grid](
         x, norm_w if norm_w is not None else w, w, scale if scale is not None else w, r, out, best, ws,
@@ -866,8 +824,7 @@ def norm_swiglu_triton(x, norm_w, eps, w_gate_up, config=GEMV_CONFIG["swiglu"], 
     assert w_gate_up.is_contiguous()
     x = _rows2d(x)
     out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
-    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl, prefetch,
-                                       w_gate_up.element_size())
+    grid, kw, ws, cnt, k_split = _plan(x, k, lambda r: triton.cdiv(inter, r), config, pdl, prefetch)
     _swiglu_kernel[grid](x, norm_w, w_gate_up, scale if scale is not None else w_gate_up, out, ws, cnt,
                          t, inter, k, k_split, eps, x.stride(0), out.stride(0),
                          HAS_SCALE=scale is not None, **kw)
