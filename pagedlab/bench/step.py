@@ -90,8 +90,11 @@ def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int) -> dict
         run = one_stream(llm, random_prompt(), keep_tokens=True)
         row["tokens"] = run.pop("token_ids")[0]
         row["one_stream"] = run
-        row["timeline"] = one_stream_timeline(llm, random_prompt(), run["tokens"])
         row["graph_us"], row["kernels_us"] = graph_step_us(llm, context)
+        try:
+            row["timeline"] = one_stream_timeline(llm, random_prompt(), run["tokens"])
+        except Exception as e:                  # keep the row's other numbers
+            row["timeline"] = dict(error=f"{type(e).__name__}: {e}")
     finally:
         ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = saved
     del llm
