@@ -47,6 +47,11 @@ class Replay:
 
 
 class DecodeGraphs:
+    # FUSED_INPUTS: the rows' token ids, positions, slots, lengths, block-table rows and embeddings
+    # come from ONE launch (kernels/graph_inputs.py) instead of 4-6 torch ops, where the model
+    # runs the Triton kernels (CUDA, or the interpreter) on one device.
+    FUSED_INPUTS = False
+
     def __init__(self, model, kv_cache, block_table: torch.Tensor, max_seq_len: int, max_batch: int,
                  sizes=DEFAULT_SIZES, capture: bool | None = None):
         """capture=False runs the very same step eagerly (any device): what the CPU tests use to
@@ -73,6 +78,10 @@ class DecodeGraphs:
         self._host_tokens = [torch.zeros(big, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._events = [torch.cuda.Event() if pin else None for _ in range(2)]
         self._turn = 0
+        self._cu0 = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.fused_inputs = (self.FUSED_INPUTS and getattr(model, "tp", None) is None
+                             and getattr(model.kernels, "backend", None) == "triton"
+                             and isinstance(getattr(model, "embed", None), torch.Tensor))
         self.graphs, self.logits, self.tokens = {}, {}, {}
         self.pool = None
         if self.capture:
@@ -83,6 +92,8 @@ class DecodeGraphs:
         return [0, 0, null * self.kv_cache.block_size, 1, self.null_row, 0]
 
     def _run(self, b):
+        if self.fused_inputs:
+            return self._run_fused(b)
         x = self.inputs[:b]
         dev = self.model.device
         seq_lens = x[:, 3].to(torch.int32)
@@ -96,6 +107,19 @@ class DecodeGraphs:
         logits, tokens = self.model.forward(token_ids, x[:, 1].contiguous(), self.kv_cache, meta,
                                             greedy=True)
         self.prev_tokens[:b].copy_(tokens)                       # for the next replay to read
+        return logits, tokens
+
+    def _run_fused(self, b):
+        """_run with the inputs gathered in one launch (FUSED_INPUTS)."""
+        from .kernels.graph_inputs import decode_inputs_triton
+        ids, positions, slots, seq_lens, rows, h = decode_inputs_triton(
+            self.inputs[:b], self.token_src, self.table, self.model.embed)
+        meta = AttentionMetadata(
+            slot_mapping=slots, num_prefill_tokens=0, prefill_block_table=self.table[:0],
+            cu_seqlens_q=self._cu0, prefill_seq_lens=seq_lens[:0], max_q_len=0,
+            decode_block_table=rows, decode_seq_lens=seq_lens, max_seq_len=self.max_seq_len)
+        logits, tokens = self.model.forward(ids, positions, self.kv_cache, meta, greedy=True, embedded=h)
+        self.prev_tokens[:b].copy_(tokens)
         return logits, tokens
 
     def _capture_all(self):

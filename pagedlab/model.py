@@ -111,12 +111,17 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
-                greedy: bool = False):
+                greedy: bool = False, embedded: torch.Tensor | None = None):
         """input_ids, positions: [T]. Returns fp32 logits [len(logits_indices) or T, vocab]
-        (and with greedy=True also their argmax, the greedy tokens, computed in the LM head)."""
+        (and with greedy=True also their argmax, the greedy tokens, computed in the LM head).
+        embedded: self.embed[input_ids], where the caller gathered it already (the decode graphs'
+        input launch, kernels/graph_inputs.py)."""
         c, ops = self.config, self.kernels
         t, eps = input_ids.shape[0], c.rms_norm_eps
-        h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
+        if embedded is not None:
+            h = embedded
+        else:
+            h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         qkv_attend = self._qkv_attend(meta, t)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
