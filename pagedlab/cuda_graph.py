@@ -48,8 +48,9 @@ class Replay:
 
 class DecodeGraphs:
     # FUSED_INPUTS: the rows' token ids, positions, slots, lengths, block-table rows and embeddings
-    # come from ONE launch (kernels/graph_inputs.py) instead of 4-6 torch ops, where the model
-    # runs the Triton kernels (CUDA, or the interpreter) on one device.
+    # come from ONE launch (kernels/graph_inputs.py) instead of 4-6 torch ops, and the LM head's
+    # argmax writes the tokens straight into prev_tokens (no copy launch), where the model runs the
+    # Triton kernels (CUDA, or the interpreter) on one device.
     FUSED_INPUTS = False
 
     def __init__(self, model, kv_cache, block_table: torch.Tensor, max_seq_len: int, max_batch: int,
@@ -118,9 +119,12 @@ class DecodeGraphs:
             slot_mapping=slots, num_prefill_tokens=0, prefill_block_table=self.table[:0],
             cu_seqlens_q=self._cu0, prefill_seq_lens=seq_lens[:0], max_q_len=0,
             decode_block_table=rows, decode_seq_lens=seq_lens, max_seq_len=self.max_seq_len)
-        logits, tokens = self.model.forward(ids, positions, self.kv_cache, meta, greedy=True, embedded=h)
-        self.prev_tokens[:b].copy_(tokens)
-        return logits, tokens
+        out = self.prev_tokens[:b]
+        logits, tokens = self.model.forward(ids, positions, self.kv_cache, meta, greedy=True, embedded=h,
+                                            tokens_out=out)
+        if tokens.data_ptr() != out.data_ptr():                  # (the LM head did not write them)
+            out.copy_(tokens)
+        return logits, out
 
     def _capture_all(self):
         stream = torch.cuda.Stream()

@@ -38,18 +38,19 @@ from .quantization import FP8Weight, check_quantization, quantize_weight
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_prefetch(fn) -> bool:
-    """Does this kernel function take `prefetch=` (pagedlab's own do; a namespace of other
+def _takes(fn, name: str = "prefetch") -> bool:
+    """Does this kernel function take the keyword `name` (pagedlab's own do; a namespace of other
     functions, such as the course's learner pieces, may not)?"""
     try:
-        return "prefetch" in inspect.signature(fn).parameters
+        return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
 
 
+
 def _prefetch(fn, w) -> dict:
     """prefetch=w for fn where it takes it: the matrix the kernel after fn streams."""
-    return {"prefetch": w} if _takes_prefetch(fn) else {}
+    return {"prefetch": w} if _takes(fn, "prefetch") else {}
 
 
 class LlamaModel:
@@ -111,11 +112,14 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
-                greedy: bool = False, embedded: torch.Tensor | None = None):
+                greedy: bool = False, embedded: torch.Tensor | None = None,
+                tokens_out: torch.Tensor | None = None):
         """input_ids, positions: [T]. Returns fp32 logits [len(logits_indices) or T, vocab]
         (and with greedy=True also their argmax, the greedy tokens, computed in the LM head).
         embedded: self.embed[input_ids], where the caller gathered it already (the decode graphs'
-        input launch, kernels/graph_inputs.py)."""
+        input launch, kernels/graph_inputs.py). tokens_out (greedy): int64 [rows] where the LM
+        head may write the tokens itself (when it takes tokens_out= and fuses the argmax: the
+        returned tokens are then this very tensor; otherwise a new one)."""
         c, ops = self.config, self.kernels
         t, eps = input_ids.shape[0], c.rms_norm_eps
         if embedded is not None:
@@ -146,7 +150,9 @@ class LlamaModel:
         if logits_indices is not None:
             h = h[logits_indices]
         if self.tp is None:
-            return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy)
+            kw = {"tokens_out": tokens_out} if greedy and tokens_out is not None and _takes(
+                ops.norm_lm_head, "tokens_out") else {}
+            return ops.norm_lm_head(h, self.norm, eps, self.lm_head, greedy=greedy, **kw)
         logits = self.tp.all_gather(ops.norm_lm_head(h, self.norm, eps, self.lm_head))  # [rows, V]
         return (logits, logits.argmax(dim=-1)) if greedy else logits
 

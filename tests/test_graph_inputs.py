@@ -49,5 +49,12 @@ def test_the_engine_gives_the_same_tokens_with_fused_inputs(monkeypatch):
     got = [o.token_ids for o in llm.generate(prompts, sp)]
     assert got == want
     assert calls                                        # the graph steps gathered in one launch
+    merged = []                                         # ... and one-row steps' LM head wrote its
+    import pagedlab.kernels.gemv as gemv                # argmax straight into prev_tokens
+    lin = gemv._linear
+    monkeypatch.setattr(gemv, "_linear", lambda *a, **k: merged.append(k.get("tokens_out")) or lin(*a, **k))
+    llm.generate([[4, 5, 6]], sp)
+    graphs = llm.engine.runner.graphs
+    assert any(t is not None and t.data_ptr() == graphs.prev_tokens.data_ptr() for t in merged)
     torch_llm = tiny_llm(**dict(kw, attention_backend="torch"))
     assert not torch_llm.engine.runner.graphs.fused_inputs      # the references keep the torch ops

@@ -772,21 +772,23 @@ def linear_residual_triton(x, w, residual, config=GEMV_CONFIG["residual"], fused
 
 
 def norm_lm_head_triton(x, norm_w, eps, w, config=GEMV_CONFIG["lm_head"], fused=None, greedy=False,
-                        pdl=None, fp8_config=GEMV_CONFIG["lm_head_fp8"]):
+                        pdl=None, fp8_config=GEMV_CONFIG["lm_head_fp8"], tokens_out=None):
     """Same contract as norm_lm_head_torch. greedy=True also returns each row's argmax (int64),
-    taken inside the fused kernel (per-row-block partials + one tiny merge launch)."""
+    taken inside the fused kernel (per-row-block partials + one tiny merge launch), which writes
+    them into `tokens_out` where given (int64 [T]: the decode graphs' buffer of the last tokens;
+    on the unfused path the tokens come back in a new tensor as before)."""
     if not _use_fused(x, fused, lm_head=True):
         logits = linear(rms_norm_triton(x, norm_w, eps), w).float()
         return (logits, logits.argmax(dim=-1)) if greedy else logits
     config = fp8_config if isinstance(w, FP8Weight) else config
-    return _linear(x, norm_w, eps, w, None, torch.float32, config, pdl, greedy)
+    return _linear(x, norm_w, eps, w, None, torch.float32, config, pdl, greedy, tokens_out=tokens_out)
 
 
 # Warps of the argmax merge launch (one program per token over the row blocks' partials).
 ARGMAX_MERGE_WARPS = 4
 
 
-def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False, prefetch=None):
+def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False, prefetch=None, tokens_out=None):
     t, k = x.shape
     n = w.shape[0]
     w, scale = _codes_scale(w)
@@ -805,7 +807,8 @@ def _linear(x, norm_w, eps, w, residual, out_dtype, cfg, pdl, greedy=False, pref
         IDX64=w.numel() >= INT32_LIMIT, **kw)
     if not greedy:
         return out
-    tokens = torch.empty(t, dtype=torch.int64, device=x.device)
+    tokens = torch.empty(t, dtype=torch.int64, device=x.device) if tokens_out is None else tokens_out
+    assert tokens.shape == (t,) and tokens.dtype == torch.int64 and tokens.is_contiguous()
     flag = kw["PDL"]
     _argmax_merge_kernel[(t,)](best, tokens, t, grid[0], BLOCK_P=triton.next_power_of_2(grid[0]),
                                PDL=flag, num_warps=ARGMAX_MERGE_WARPS, **launch_options(flag))
