@@ -16,7 +16,8 @@ things run, never what they compute).
 --timeline: where one stream's wall time goes OUTSIDE the decode graph (bench/timeline.py: one
 profiled generate cut into the prompt step, the replays, the gaps between them and the tail),
 for bf16 and FP8 weights, with the prompt step eager (runner.GRAPH_PREFILL_SIZES off) and
-replayed (captured sizes up to the 128-token prompt); one process, a fresh engine per row
+replayed (captured sizes up to the 128-token prompt), and the decode graphs' inputs gathered in one
+launch (cuda_graph.DecodeGraphs.FUSED_INPUTS); one process, a fresh engine per row
 (step_timeline.json). Default model: the Llama-3.2-1B config, random bf16 weights.
 Writes step_bench.json (and prints a table). The PDL mode reaches the kernels through
 LLM(kernel_options={"pdl": mode}) (select_kernels binds it); overlap through LLM(overlap=...).
@@ -64,18 +65,22 @@ def graph_step_us(llm, context: int) -> tuple[float, float]:
     return graph_us, kernels_us
 
 
-TIMELINE_ROWS = (("bf16", False), ("bf16", True), ("fp8", False), ("fp8", True))
+# (weights, prompt step replayed, DecodeGraphs.FUSED_INPUTS)
+TIMELINE_ROWS = (("bf16", False, False), ("bf16", True, False), ("bf16", True, True), ("fp8", False, False),
+                 ("fp8", True, True))
 TIMELINE_PREFILL_ROWS = 128        # the one-stream prompt: replayed whole when the sizes reach it
 
 
-def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int) -> dict:
+def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int, fused_inputs: bool = False) -> dict:
     """One engine (max_num_seqs 8, max_model_len 2048: bench gemv's one stream): its load time,
     one stream (median of 5), the batch-1 graph replay at `context`, and the timeline."""
     import time
     from pagedlab.bench.timeline import one_stream_timeline
     from pagedlab.llm import LLM
+    from pagedlab.cuda_graph import DecodeGraphs
     from pagedlab.runner import ModelRunner
-    saved = ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO
+    saved = ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO, DecodeGraphs.FUSED_INPUTS
+    DecodeGraphs.FUSED_INPUTS = fused_inputs
     if prefill_graphs:
         ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = True, TIMELINE_PREFILL_ROWS
     else:
@@ -85,7 +90,8 @@ def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int) -> dict
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
                   show_progress=False, quantization=None if weights == "bf16" else weights)
         torch.cuda.synchronize()
-        row = dict(weights=weights, prefill_graphs=prefill_graphs, load_s=round(time.perf_counter() - t0, 2),
+        row = dict(weights=weights, prefill_graphs=prefill_graphs, fused_inputs=fused_inputs,
+                   load_s=round(time.perf_counter() - t0, 2),
                    graph_sizes=list(llm.engine.runner.graphs.sizes))
         run = one_stream(llm, random_prompt(), keep_tokens=True)
         row["tokens"] = run.pop("token_ids")[0]
@@ -96,7 +102,7 @@ def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int) -> dict
         except Exception as e:                  # keep the row's other numbers
             row["timeline"] = dict(error=f"{type(e).__name__}: {e}")
     finally:
-        ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = saved
+        ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO, DecodeGraphs.FUSED_INPUTS = saved
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -110,8 +116,8 @@ def timeline_main(args, argv) -> None:
     res = dict(metadata("python -m pagedlab bench step --timeline", argv), model=ckpt.source,
                context=args.context, rows=[])
     first = {}
-    for weights, pg in TIMELINE_ROWS:
-        row = timeline_row(ckpt, weights, pg, args.context)
+    for weights, pg, fused in TIMELINE_ROWS:
+        row = timeline_row(ckpt, weights, pg, args.context, fused)
         first.setdefault(weights, row["tokens"])
         a, b = first[weights], row["tokens"]
         row["same_tokens_as_first"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
@@ -119,7 +125,7 @@ def timeline_main(args, argv) -> None:
         res["rows"].append(row)
         write_json(path, res)
         o, t = row["one_stream"], row["timeline"]
-        print(f"{weights} prefill graphs {pg}: load {row['load_s']} s, one stream {o['tokens_per_s']:.1f} tok/s "
+        print(f"{weights} prefill graphs {pg} fused inputs {fused}: load {row['load_s']} s, one stream {o['tokens_per_s']:.1f} tok/s "
               f"{o['runs_tokens_per_s']}, TTFT {o['ttft_ms']}, ITL {o['itl_ms']}, graph {row['graph_us']:.1f} us, "
               f"same tokens {row['same_tokens_as_first']:.3f}", flush=True)
         print("  timeline:", json.dumps(t), flush=True)
