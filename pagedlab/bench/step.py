@@ -83,8 +83,8 @@ def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int, fused_i
     DecodeGraphs.FUSED_INPUTS = fused_inputs
     if prefill_graphs:
         ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = True, TIMELINE_PREFILL_ROWS
-    else:
-        ModelRunner.GRAPH_PREFILL_SIZES = False
+    else:                          # session 14's engine: graphs up to max_num_seqs, prompt rows <= 80
+        ModelRunner.GRAPH_PREFILL_SIZES, ModelRunner.GRAPH_PREFILL_AUTO = False, 80
     try:
         t0 = time.perf_counter()
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
