@@ -117,7 +117,13 @@ def timeline_main(args, argv) -> None:
                context=args.context, rows=[])
     first = {}
     for weights, pg, fused in TIMELINE_ROWS:
-        row = timeline_row(ckpt, weights, pg, args.context, fused)
+        try:
+            row = timeline_row(ckpt, weights, pg, args.context, fused)
+        except Exception as e:                  # keep the other rows
+            print(f"{weights} prefill graphs {pg} fused inputs {fused}: {type(e).__name__}: {e}", flush=True)
+            res["rows"].append(dict(weights=weights, prefill_graphs=pg, fused_inputs=fused,
+                                    error=f"{type(e).__name__}: {e}"))
+            continue
         first.setdefault(weights, row["tokens"])
         a, b = first[weights], row["tokens"]
         row["same_tokens_as_first"] = sum(x == y for x, y in zip(a, b)) / max(1, len(a))
