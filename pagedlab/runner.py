@@ -106,8 +106,10 @@ class ModelRunner:
             sizes = sorted(set(DEFAULT_SIZES) | set(range(1, rows_per_seq + 1)))
             capture = cuda_graphs is True
             biggest = min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH)
-            if self.GRAPH_PREFILL_SIZES:                 # graphs for the prompt steps too
-                biggest = max(biggest, min(self.prefill_rows_limit(capture), MAX_GRAPH_BATCH))
+            if self.GRAPH_PREFILL_SIZES:                 # graphs for the prompt steps too: past the
+                bound = min(self.prefill_rows_limit(capture), MAX_GRAPH_BATCH)   # decode sizes, only
+                sizes = [s for s in sizes if s <= biggest or s & (s - 1) == 0]  # powers of two (a
+                biggest = max(biggest, bound)            # padded prompt row costs little: weights dominate)
             with self._verify_kernels(rows_per_seq):
                 self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
                                            biggest, sizes=sizes, capture=capture)
@@ -157,9 +159,10 @@ class ModelRunner:
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 80
     # The captured sizes go up to max_num_seqs * rows_per_seq, so an engine of few slots replays
-    # none but its shortest prompts. GRAPH_PREFILL_SIZES: capture the DEFAULT_SIZES up to the
-    # prefill bound above too (at load, where graphs are captured), so that a prompt step of up to
-    # that many rows replays whatever max_num_seqs is. Decode steps never use the extra sizes.
+    # none but its shortest prompts. GRAPH_PREFILL_SIZES: capture graphs up to the prefill bound
+    # above too (at load, where graphs are captured; past the decode sizes the powers of two of
+    # DEFAULT_SIZES and the bound itself), so that a prompt step of up to that many rows replays
+    # whatever max_num_seqs is. Decode steps never use the extra sizes.
     GRAPH_PREFILL_SIZES = False
 
     def prefill_rows_limit(self, captured: bool) -> int:

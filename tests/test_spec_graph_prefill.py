@@ -77,3 +77,5 @@ def test_prefill_sizes_reach_past_max_num_seqs(monkeypatch):
     got = [llm.generate(p, params)[0] for p in prompts]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert 23 in seen and 24 in seen and 30 not in seen          # the 30-token prompt runs eagerly
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 40)  # past the decode sizes: powers of two
+    assert tiny_llm(**kw).engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 32, 40]
