@@ -156,14 +156,18 @@ class ModelRunner:
     # stream 1,076 -> 1,368 tok/s plain, 1,611 -> 2,391 speculative). None (the default):
     # GRAPH_PREFILL_AUTO rows where the graphs are captured (CUDA), 0 where they run eagerly (the
     # CPU tests' graph code path); 0: off. Rows past the largest captured graph stay eager.
+    # AUTO was 80 (session 14); 128 since session 15, with GRAPH_PREFILL_SIZES below: one stream's
+    # 128-token prompt (Llama-3.2-1B, H200) replays in 1.27 ms of GPU time where the eager step took
+    # 10.5 ms of TTFT, bf16 1,061 -> 1,090 tokens/s with FUSED_INPUTS (docs/kernels.md, session 15).
     GRAPH_PREFILL_ROWS = None
-    GRAPH_PREFILL_AUTO = 80
+    GRAPH_PREFILL_AUTO = 128
     # The captured sizes go up to max_num_seqs * rows_per_seq, so an engine of few slots replays
     # none but its shortest prompts. GRAPH_PREFILL_SIZES: capture graphs up to the prefill bound
     # above too (at load, where graphs are captured; past the decode sizes the powers of two of
     # DEFAULT_SIZES and the bound itself), so that a prompt step of up to that many rows replays
-    # whatever max_num_seqs is. Decode steps never use the extra sizes.
-    GRAPH_PREFILL_SIZES = False
+    # whatever max_num_seqs is. Decode steps never use the extra sizes. On by default (session 15,
+    # measured above); load time on the H200 for max_num_seqs 8: 1.1-1.9 s either way (warm cache).
+    GRAPH_PREFILL_SIZES = True
 
     def prefill_rows_limit(self, captured: bool) -> int:
         """The most rows (prompt + decode) of a step with prompt tokens that replays a graph."""

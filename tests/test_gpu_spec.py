@@ -31,7 +31,7 @@ def test_verify_steps_replay_graphs_and_match_the_plain_engine(fused_rows, monke
     llm.engine.speculator.gate = None   # every step may guess: the batch's gate weighs measured times
                                         # (tests/test_spec_gate.py); the next test runs with it on
     graphs = llm.engine.runner.graphs
-    assert graphs is not None and graphs.capture and graphs.sizes[-1] == 6 * 5
+    assert graphs is not None and graphs.capture and 6 * 5 in graphs.sizes   # (and prompt sizes past it)
     replayed = []
     launch = graphs.launch
     graphs.launch = lambda rows: replayed.append(len(rows)) or launch(rows)

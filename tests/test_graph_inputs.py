@@ -37,6 +37,7 @@ def test_the_engine_gives_the_same_tokens_with_fused_inputs(monkeypatch):
     sp = SamplingParams(max_new_tokens=7, ignore_eos=True)
     kw = dict(max_num_seqs=3, block_size=4, device=DEV, dtype="float32", attention_backend="triton",
               cuda_graphs=True if DEV == "cuda" else "eager")
+    monkeypatch.setattr(DecodeGraphs, "FUSED_INPUTS", False)
     plain = tiny_llm(**kw)
     assert not plain.engine.runner.graphs.fused_inputs
     want = [o.token_ids for o in plain.generate(prompts, sp)]

@@ -66,6 +66,7 @@ def test_prefill_sizes_reach_past_max_num_seqs(monkeypatch):
     eager = tiny_llm(**kw)
     want = [eager.generate(p, params)[0] for p in prompts]          # one stream: a prompt at a time
     monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 24)
+    monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_SIZES", False)
     plain = tiny_llm(**kw).engine.runner.graphs
     assert plain.sizes == [1, 2]                    # without: nothing past the slots
     monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_SIZES", True)

@@ -11,16 +11,15 @@ This command measures, for each programmatic-dependent-launch mode (kernels/pdl.
                the engine's step overlap on and off (engine.py: launch step n+1 before reading n)
 
 and checks that every variant generates exactly the same tokens (PDL and overlap change when
-things run, never what they compute).
-
---timeline: where one stream's wall time goes OUTSIDE the decode graph (bench/timeline.py: one
-profiled generate cut into the prompt step, the replays, the gaps between them and the tail),
-for bf16 and FP8 weights, with the prompt step eager (runner.GRAPH_PREFILL_SIZES off) and
-replayed (captured sizes up to the 128-token prompt), and the decode graphs' inputs gathered in one
-launch (cuda_graph.DecodeGraphs.FUSED_INPUTS); one process, a fresh engine per row
-(step_timeline.json). Default model: the Llama-3.2-1B config, random bf16 weights.
+things run, never what they compute). Default model: the Llama-3.2-1B config, random bf16 weights.
 Writes step_bench.json (and prints a table). The PDL mode reaches the kernels through
 LLM(kernel_options={"pdl": mode}) (select_kernels binds it); overlap through LLM(overlap=...).
+
+--timeline: where one stream's wall time goes OUTSIDE the decode graph (bench/timeline.py: one
+profiled generate cut into the prompt step, the replays, the gaps between them and the tail), bf16
+and FP8 weights, session 14's engine (TIMELINE_ROWS: eager 128-token prompt, inputs as torch ops,
+the old FP8 gate/up tile) against the defaults since session 15, each twice, one process, a fresh
+engine per row: load time, one stream, batch-1 graph replay, timeline (step_timeline.json).
 """
 from __future__ import annotations
 
@@ -65,13 +64,17 @@ def graph_step_us(llm, context: int) -> tuple[float, float]:
     return graph_us, kernels_us
 
 
-# (weights, prompt step replayed, DecodeGraphs.FUSED_INPUTS)
-TIMELINE_ROWS = (("bf16", False, False), ("bf16", True, False), ("bf16", True, True), ("fp8", False, False),
-                 ("fp8", True, True))
+# (weights, engine): "s14" = session 14's engine (graphs up to max_num_seqs, prompt steps of at
+# most 80 rows replayed, inputs as torch ops, FP8 gate/up in 32 x 1024 tiles of 8 warps), "s15" =
+# the defaults since session 15 (prompt graphs up to 128 rows, FUSED_INPUTS, 16 x 512 x 4 warps)
+TIMELINE_ROWS = (("bf16", "s14"), ("bf16", "s15"), ("fp8", "s14"), ("fp8", "s15"), ("bf16", "s14"),
+                 ("bf16", "s15"))
+S14_FP8_GATE_UP = {"swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1)}
 TIMELINE_PREFILL_ROWS = 128        # the one-stream prompt: replayed whole when the sizes reach it
 
 
-def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int, fused_inputs: bool = False) -> dict:
+def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int, fused_inputs: bool = False,
+                 gemv_config=None) -> dict:
     """One engine (max_num_seqs 8, max_model_len 2048: bench gemv's one stream): its load time,
     one stream (median of 5), the batch-1 graph replay at `context`, and the timeline."""
     import time
@@ -88,7 +91,8 @@ def timeline_row(ckpt, weights: str, prefill_graphs: bool, context: int, fused_i
     try:
         t0 = time.perf_counter()
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=2048,
-                  show_progress=False, quantization=None if weights == "bf16" else weights)
+                  show_progress=False, quantization=None if weights == "bf16" else weights,
+                  kernel_options=None if gemv_config is None else {"gemv_config": gemv_config})
         torch.cuda.synchronize()
         row = dict(weights=weights, prefill_graphs=prefill_graphs, fused_inputs=fused_inputs,
                    load_s=round(time.perf_counter() - t0, 2),
@@ -116,9 +120,12 @@ def timeline_main(args, argv) -> None:
     res = dict(metadata("python -m pagedlab bench step --timeline", argv), model=ckpt.source,
                context=args.context, rows=[])
     first = {}
-    for weights, pg, fused in TIMELINE_ROWS:
+    for weights, engine in TIMELINE_ROWS:
+        pg = fused = engine == "s15"
         try:
-            row = timeline_row(ckpt, weights, pg, args.context, fused)
+            row = timeline_row(ckpt, weights, pg, args.context, fused,
+                               None if engine == "s15" else S14_FP8_GATE_UP)
+            row["engine"] = engine
         except Exception as e:                  # keep the other rows
             print(f"{weights} prefill graphs {pg} fused inputs {fused}: {type(e).__name__}: {e}", flush=True)
             res["rows"].append(dict(weights=weights, prefill_graphs=pg, fused_inputs=fused,

@@ -110,9 +110,12 @@ H200_GEMV_CONFIG = freeze({       # tuned on the H200 at one token
     # qkv, residual (O) and lm_head re-picked by the one-token sweep of 2026-12-02, which made
     # the engine's graph 679.4 us against 717.7 (same run, docs/one_stream_confirm.json); down
     # keeps the old residual tiles (the new O tiles are slower on it: 9.56 us against 8.56).
+    # gate/up since session 15: 16 rows x 512 columns of 4 warps (session 14's offline sm_90
+    # build: no register spill, two programs per SM; the old tile spilled): graph 673.7 us
+    # against 683.0 / 682.8 (same process, docs/kernels.md "One stream, session 15").
     "qkv_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=2, ACC2D=1, PREFETCH=0, PREFETCH_MB=0,
                     ATTN=0, ATTN_BLOCK_N=128),
-    "swiglu_fp8": dict(BLOCK_R=32, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
+    "swiglu_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=512, num_warps=4, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "residual_fp8": dict(BLOCK_R=8, K_SPLIT=2048, BLOCK_K=2048, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "down_fp8": dict(BLOCK_R=16, K_SPLIT=2048, BLOCK_K=1024, num_warps=8, num_stages=1, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
     "lm_head_fp8": dict(BLOCK_R=64, K_SPLIT=2048, BLOCK_K=512, num_warps=8, num_stages=2, ACC2D=0, PREFETCH=0, PREFETCH_MB=0),
