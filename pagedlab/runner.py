@@ -106,10 +106,12 @@ class ModelRunner:
             sizes = sorted(set(DEFAULT_SIZES) | set(range(1, rows_per_seq + 1)))
             capture = cuda_graphs is True
             biggest = min(max_num_seqs * rows_per_seq, MAX_GRAPH_BATCH)
-            if self.GRAPH_PREFILL_SIZES:                 # graphs for the prompt steps too: past the
-                bound = min(self.prefill_rows_limit(capture), MAX_GRAPH_BATCH)   # decode sizes, only
-                sizes = [s for s in sizes if s <= biggest or s & (s - 1) == 0]  # powers of two (a
-                biggest = max(biggest, bound)            # padded prompt row costs little: weights dominate)
+            if self.GRAPH_PREFILL_SIZES:
+                # graphs for the prompt steps too, up to the prefill bound: past the decode sizes
+                # only powers of two (a padded prompt row costs little: the weights' reads dominate)
+                bound = min(self.prefill_rows_limit(capture), MAX_GRAPH_BATCH)
+                sizes = [s for s in sizes if s <= biggest or s & (s - 1) == 0] + [biggest]
+                biggest = max(biggest, bound)
             with self._verify_kernels(rows_per_seq):
                 self.graphs = DecodeGraphs(model, kv_cache, self.block_table.table, max_model_len,
                                            biggest, sizes=sizes, capture=capture)

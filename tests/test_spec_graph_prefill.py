@@ -80,3 +80,4 @@ def test_prefill_sizes_reach_past_max_num_seqs(monkeypatch):
     assert 23 in seen and 24 in seen and 30 not in seen          # the 30-token prompt runs eagerly
     monkeypatch.setattr(ModelRunner, "GRAPH_PREFILL_ROWS", 40)  # past the decode sizes: powers of two
     assert tiny_llm(**kw).engine.runner.graphs.sizes == [1, 2, 4, 8, 16, 32, 40]
+    assert tiny_llm(**dict(kw, max_num_seqs=3)).engine.runner.graphs.sizes == [1, 2, 3, 4, 8, 16, 32, 40]
