@@ -159,8 +159,8 @@ class ModelRunner:
     # GRAPH_PREFILL_AUTO rows where the graphs are captured (CUDA), 0 where they run eagerly (the
     # CPU tests' graph code path); 0: off. Rows past the largest captured graph stay eager.
     # AUTO was 80 (session 14); 128 since session 15, with GRAPH_PREFILL_SIZES below: one stream's
-    # 128-token prompt (Llama-3.2-1B, H200) replays in 1.27 ms of GPU time where the eager step took
-    # 10.5 ms of TTFT, bf16 1,061 -> 1,090 tokens/s with FUSED_INPUTS (docs/kernels.md, session 15).
+    # 128-token prompt (Llama-3.2-1B, H200) replays in 1.2-1.5 ms of GPU time, TTFT 9-16 -> 2.5-2.7
+    # ms; with FUSED_INPUTS bf16 1,047-1,049 -> 1,084-1,101 tokens/s (docs/kernels.md, session 15).
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 128
     # The captured sizes go up to max_num_seqs * rows_per_seq, so an engine of few slots replays
