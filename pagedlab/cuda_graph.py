@@ -83,7 +83,7 @@ class DecodeGraphs:
         self._turn = 0
         self._cu0 = torch.zeros(1, dtype=torch.int32, device=dev)
         self.fused_inputs = (self.FUSED_INPUTS and getattr(model, "tp", None) is None
-                             and getattr(model.kernels, "backend", None) == "triton"
+                             and getattr(getattr(model, "kernels", None), "backend", None) == "triton"
                              and isinstance(getattr(model, "embed", None), torch.Tensor))
         self.graphs, self.logits, self.tokens = {}, {}, {}
         self.pool = None
