@@ -35,6 +35,17 @@ def can_speculate(req) -> bool:
     return not req.params.has_penalties and req.params.logprobs is None
 
 
+def take_guesses(sched, step, req, guesses: list[int]) -> int:
+    """Blocks for req's guesses (no preemption for a guess: as many as fit), then they are its
+    spec_token_ids for this step. Returns how many it keeps."""
+    n = req.num_tokens
+    if not sched._grow(req, n + len(guesses)):
+        guesses = guesses[:len(req.blocks) * sched.block_size - n]
+    req.spec_token_ids = list(guesses)
+    step.guessed = step.guessed or bool(guesses)
+    return len(guesses)
+
+
 def nearest(times: dict, b: int):
     """The running mean measured at the batch size nearest b, within a quarter of b (+1); None.
     (Looked up outward from b: a server's dict may hold every size up to its slots.)"""
@@ -191,7 +202,6 @@ class Speculator:
                 room_rows -= k
         if not reqs:
             return
-        bs = sched.block_size
         try:
             proposals = self.proposer.propose(reqs, ks)
         except Exception as e:              # guesses are optional: a proposer that fails costs them only
@@ -204,13 +214,8 @@ class Speculator:
         for r, guesses in zip(reqs, proposals):
             if self.adaptive is not None:
                 self.adaptive.proposed(r, bool(guesses))
-            if not guesses:
-                continue
-            n = r.num_tokens
-            if not sched._grow(r, n + len(guesses)):        # no preemption for a guess: fit what fits
-                guesses = guesses[:len(r.blocks) * bs - n]
-            r.spec_token_ids = list(guesses)
-            step.guessed = step.guessed or bool(guesses)
+            if guesses:
+                take_guesses(sched, step, r, guesses)
         self._last = (self._last[0], step, step.guessed, ahead)
 
     def _plan_shadow(self, sched, step, sh, ahead) -> None:
@@ -221,7 +226,6 @@ class Speculator:
                                      self.batch_cost(b)):
             return
         room_rows = sched.max_num_batched_tokens - b
-        bs = sched.block_size
         for r in step.decode:
             if r.num_in_flight or not self._pays(sh, r):
                 continue
@@ -230,14 +234,8 @@ class Speculator:
             if k <= 0:
                 continue
             guesses = sh.propose(r, k)
-            if not guesses:
-                continue
-            n = r.num_tokens
-            if not sched._grow(r, n + len(guesses)):        # no preemption for a guess: fit what fits
-                guesses = guesses[:len(r.blocks) * bs - n]
-            r.spec_token_ids = list(guesses)
-            room_rows -= len(guesses)
-            step.guessed = step.guessed or bool(guesses)
+            if guesses:
+                room_rows -= take_guesses(sched, step, r, guesses)
         self._last = (self._last[0], step, step.guessed, ahead)
 
     def _time_last_step(self, now: float, idle: bool = False) -> None:
