@@ -23,6 +23,9 @@ index into it, so picking every row's token is one gather.
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -30,6 +33,25 @@ from .attention import AttentionMetadata
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 COLS = 6          # token, position, KV slot, length, slot, index of the token in token_src
+
+
+@contextmanager
+def collector_paused():
+    """No garbage collection while graphs are captured. An engine dropped earlier in this process
+    but kept alive by a reference cycle (a notebook's or a test's hook on it, say) is freed
+    whenever the collector next runs; if that happens inside a capture, its CUDA graphs, events,
+    pinned buffers and memory pool are torn down while this stream captures -- CUDA calls a capture
+    forbids. So: what is already dead goes first, and nothing is collected until the captures end
+    (torch.cuda.graph no longer collects by itself; vLLM and SGLang freeze the collector around
+    their captures too)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Replay:
@@ -131,7 +153,7 @@ class DecodeGraphs:
     def _capture_all(self):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             for b in reversed(self.sizes):       # largest first: later graphs reuse its memory pool
                 for _ in range(2):
                     self._run(b)                 # warm up: compile kernels, fill caches
