@@ -47,7 +47,6 @@ def _takes(fn, name: str = "prefetch") -> bool:
         return False
 
 
-
 def _prefetch(fn, w) -> dict:
     """prefetch=w for fn where it takes it: the matrix the kernel after fn streams."""
     return {"prefetch": w} if _takes(fn, "prefetch") else {}
