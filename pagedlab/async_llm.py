@@ -177,19 +177,33 @@ class AsyncLLM:
         self._init(cores)
         return self
 
-    def _init(self, cores) -> None:
+    @classmethod
+    def connect(cls, links, frontend: int = 0, frontends: int = 1) -> "AsyncLLM":
+        """Front end `frontend` of `frontends` in front of cores another process started
+        (core_process.CoreLink's, each ready: its .info read). Its request ids are frontend,
+        frontend + frontends, ...: unique across the front ends, and each core hands a request's
+        output to the front end its id names (core_mailbox.py)."""
+        self = cls.__new__(cls)
+        self.llm = self.engine = None
+        self._init(links, frontend, frontends)
+        return self
+
+    def _init(self, cores, frontend: int = 0, frontends: int = 1) -> None:
         self.cores = cores
+        self.frontend, self.frontends = frontend, frontends
         info = cores[0].info
         self.tokenizer, self.vocab_size, self.pool_hint = info.tokenizer, info.vocab_size, info.pool_hint
         self.max_model_len = min(c.info.max_model_len for c in cores)
         self.max_num_seqs = sum(c.info.max_num_seqs for c in cores)
         self.model_name = info.model_name
         self.outputs = OutputProcessor(info.tokenizer, info.stop_sources)
-        self._seeds = torch.Generator().manual_seed(info.seed) if len(cores) > 1 else None
+        # (several front ends: each draws from a stream of its own, none repeats another's seeds)
+        self._seeds = (torch.Generator().manual_seed(info.seed + 1_000_003 * frontend)
+                       if len(cores) > 1 else None)
         self._stats = [dict(c.info.stats) for c in cores]
         self._load = [0] * len(cores)
         self._callers: dict[int, _Caller] = {}
-        self._next_id = 0
+        self._next_id = frontend             # then + frontends: ids unique across the front ends
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._output_s = 0.0                # time in _read: what the front end spends per step
@@ -250,7 +264,7 @@ class AsyncLLM:
         self._attach(asyncio.get_running_loop())
         if self._seeds is not None and params.seed is None:
             params = replace(params, seed=int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seeds)))
-        rid, self._next_id = self._next_id, self._next_id + 1
+        rid, self._next_id = self._next_id, self._next_id + self.frontends
         k = min(range(len(self.cores)), key=lambda i: (not self.cores[i].is_alive(), self._load[i]))
         cost = len(ids) + params.max_new_tokens
         state = self.outputs.add(rid, ids, text, params, stream=stream)

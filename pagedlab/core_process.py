@@ -16,8 +16,12 @@ per step each way at most. No new dependency, and a step's message (a few hundre
 request ids) pickles in tens of microseconds, small beside a GPU step (docs/serving.md has the
 numbers). The front end sends through a writer thread, so a long message never blocks its event loop.
 
+Several front ends (`serve --api-servers N`): one pair of pipes per front end, every one to the same
+core; the core's side of them is core_mailbox.Mailbox (who owns which request, who gets which part
+of a step's output, front ends that leave).
+
 Lifetime: the core ignores Ctrl-C (the front end decides: it sends "stop"), and leaves on its own
-when the front end is gone (its inbox reaches end-of-file), so neither a SIGKILLed server nor a
+when its front ends are gone (each inbox reaches end-of-file), so neither a SIGKILLed server nor a
 crashed one leaves an orphan. A core that dies is seen by the front end at once: its outbox reaches
 end-of-file.
 """
@@ -77,128 +81,104 @@ def freeze_heap() -> None:
     gc.set_threshold(max(g0, 50_000), g1, g2)
 
 
-def core_main(inbox, outbox, llm_kwargs: dict, env: dict) -> None:
-    """The core process: build the LLM, then loop. Messages in: ("add", items), ("abort", ids),
-    ("stop",). Out: ("ready", CoreInfo) | ("failed", traceback) once, then ("step", StepOutput) per
-    step (("stats", dict) now and then while idle), and ("died", traceback) if the engine fails."""
+def core_main(inboxes, outboxes, llm_kwargs: dict, env: dict) -> None:
+    """The core process: build the LLM, then loop. One inbox and one outbox per front end
+    (core_mailbox.py). Messages in: ("add", items), ("abort", ids), ("stop",) (the sender leaves).
+    Out: ("ready", CoreInfo) | ("failed", traceback) once, then ("step", StepOutput) per step with
+    the sender's requests in it (("stats", dict) now and then otherwise), and ("died", traceback)
+    if the engine fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the front end's to handle
     os.environ.update(env)
+    from .core_mailbox import Mailbox
+    mailbox = Mailbox(inboxes, outboxes, stats_every_s=IDLE_SLICE_S)
     try:
         from .engine_core import EngineCore
         from .llm import LLM
         llm = LLM(**llm_kwargs)
         core = EngineCore(llm.engine)
-        outbox.send(("ready", core_info(llm, core)))
+        mailbox.tell_all(("ready", core_info(llm, core)))
         freeze_heap()
-    except BaseException:           # noqa: BLE001 -- told to the front end, which raises it
-        outbox.send(("failed", traceback.format_exc()))
+    except BaseException:           # noqa: BLE001 -- told to the front ends, which raise it
+        mailbox.tell_all(("failed", traceback.format_exc()))
+        mailbox.close()
         return
     try:
-        run_core(core, inbox, outbox)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass                        # the front end is gone: leave
+        run_core(core, mailbox)
     except BaseException:           # noqa: BLE001
-        try:
-            outbox.send(("died", traceback.format_exc()))
-        except OSError:
-            pass
+        mailbox.tell_all(("died", traceback.format_exc()))
     finally:
+        mailbox.close()
         llm.close()
 
 
-def run_core(core, inbox, outbox) -> None:
-    """schedule -> run -> accept, with the inbox read between steps (blocking only when idle). Step
-    outputs leave through a writer thread: a front end that reads late never holds up a step (its
-    messages queue here and it takes them all at once). Where the core's time goes (idle, inbox,
-    steps, handing out) is counted in core.timing, sent with every step's stats (/metrics)."""
-    sendq: queue.SimpleQueue = queue.SimpleQueue()
-    writer = threading.Thread(target=_write_outbox, args=(sendq, outbox), name="core-writer", daemon=True)
-    writer.start()
+def run_core(core, mailbox) -> None:
+    """schedule -> run -> accept, with the front ends' messages read between steps (blocking only
+    when idle), until every front end has left. Step outputs leave through the mailbox's writer
+    threads: a front end that reads late never holds up a step (its messages queue here and it
+    takes them all at once). Where the core's time goes (idle, inbox, steps, handing out) is
+    counted in core.timing, sent with every step's stats (/metrics)."""
     timing = core.timing
     clock = time.perf_counter
-    try:
-        while True:
-            t0 = clock()
-            while not core.has_work() and not inbox.poll(IDLE_SLICE_S):
-                timing["idle_s"] += clock() - t0      # sleep until a message (or end-of-file) arrives,
-                t0 = clock()                          # counted slice by slice, and told (/metrics)
-                sendq.put(("stats", core.stats()))
-            t1 = clock()
-            while inbox.poll():
-                msg = inbox.recv()               # EOFError: the front end is gone
-                if msg[0] == "add":
-                    core.add(msg[1])
-                elif msg[0] == "abort":
-                    core.abort(msg[1])
-                elif msg[0] == "stop":
-                    core.abort(list(core.sent))
-                    if core.has_work():
-                        sendq.put(("step", core.step()))
-                    return
-            t2 = clock()
-            timing["idle_s"] += t1 - t0
-            timing["inbox_s"] += t2 - t1
-            if core.has_work():
-                step = core.step()
-                if step.request_ids:
-                    sendq.put(("step", step))
-                timing["handout_s"] += clock() - t2 - core.last_step_s
-    finally:
-        sendq.put(None)
-        writer.join(10.0)
+    while mailbox.open:
+        t0 = clock()
+        while not core.has_work() and not mailbox.wait(IDLE_SLICE_S):
+            timing["idle_s"] += clock() - t0      # sleep until a message (or end-of-file) arrives,
+            t0 = clock()                          # counted slice by slice, and told (/metrics)
+            mailbox.tell_all(("stats", core.stats()))
+        t1 = clock()
+        mailbox.take(core)                        # adds, aborts, front ends that left
+        t2 = clock()
+        timing["idle_s"] += t1 - t0
+        timing["inbox_s"] += t2 - t1
+        if core.has_work() and mailbox.open:
+            mailbox.hand_out(core.step())
+            timing["handout_s"] += clock() - t2 - core.last_step_s
 
 
-def _write_outbox(sendq, outbox) -> None:
-    while True:
-        msg = sendq.get()
-        if msg is None:
-            return
-        try:
-            outbox.send(msg)
-        except OSError:                       # the front end is gone: the main loop sees EOF
-            return
+def start_core(llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core", frontends: int = 1):
+    """Start a core process with a pair of pipes per front end; returns (the process, [(inbox to
+    write, outbox to read)] per front end). The core holds the other ends alone: a front end that
+    is gone is its inbox's end-of-file, a core that is gone its outbox's."""
+    ctx = multiprocessing.get_context("spawn")
+    core_in, core_out, ends = [], [], []
+    for _ in range(frontends):
+        inbox_r, inbox_w = ctx.Pipe(duplex=False)         # front end -> core
+        outbox_r, outbox_w = ctx.Pipe(duplex=False)       # core -> front end
+        core_in.append(inbox_r)
+        core_out.append(outbox_w)
+        ends.append((inbox_w, outbox_r))
+    process = ctx.Process(target=core_main, args=(core_in, core_out, llm_kwargs, env or {}),
+                          name=name, daemon=False)       # a core may start its own workers (TP)
+    process.start()
+    for conn in core_in + core_out:       # only the core holds these ends: its exit is our end-of-file
+        conn.close()
+    return process, ends
 
 
-class CoreProcess:
-    """The front end's handle on one core process: start it, send to it, read from it, stop it."""
+class CoreLink:
+    """A front end's end of one core's pipes, whichever process started the core: send to it
+    (through a writer thread, so a long message never blocks the caller), read from it, know when
+    it is gone (its outbox reaches end-of-file)."""
 
-    def __init__(self, llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core"):
-        ctx = multiprocessing.get_context("spawn")
-        inbox_r, self._inbox = ctx.Pipe(duplex=False)        # front end -> core
-        self.outbox, outbox_w = ctx.Pipe(duplex=False)       # core -> front end
-        self.process = ctx.Process(target=core_main, args=(inbox_r, outbox_w, llm_kwargs, env or {}),
-                                   name=name, daemon=False)   # a core may start its own workers (TP)
-        self.process.start()
-        inbox_r.close()              # only the core holds these ends: its exit is our end-of-file
-        outbox_w.close()
+    def __init__(self, inbox, outbox, name: str = "pagedlab-core"):
+        self._inbox, self.outbox = inbox, outbox
         self.info: CoreInfo | None = None
         self.dead: str | None = None     # why the core is gone, once it is
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write, name=f"{name}-writer", daemon=True)
         self._writer.start()
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> CoreInfo:
-        deadline = time.monotonic() + timeout
-        while not self.outbox.poll(0.2):
-            if not self.process.is_alive() and not self.outbox.poll(0):
-                raise RuntimeError(f"the engine core process exited (code {self.process.exitcode}) before "
-                                   "it was ready. It is started with 'spawn', which imports your __main__ "
-                                   "module again: run from a file whose serving code is under `if __name__ "
-                                   "== \"__main__\":` (not from stdin), or serve an LLM of this process "
-                                   "with serve(llm) (its core on a thread)")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
+    def take_ready(self) -> CoreInfo:
+        """The core's first message (wait until there is one): its CoreInfo, or RuntimeError."""
         try:
             kind, what = self.outbox.recv()
-        except EOFError:
+        except (EOFError, OSError):
             raise RuntimeError(
                 "the engine core process exited before it was ready. It is started with 'spawn', which "
                 "imports your __main__ module again: run from a file whose serving code is under "
                 "`if __name__ == \"__main__\":` (not from stdin), or serve an LLM of this process "
                 "with serve(llm) (its core on a thread)") from None
         if kind == "failed":
-            self.process.join(10)
             raise RuntimeError(f"the engine core failed to start:\n{what}")
         self.info = what
         return what
@@ -228,9 +208,59 @@ class CoreProcess:
                     return
                 yield self.outbox.recv()
             except (EOFError, OSError):
-                self.process.join(1.0)
-                yield ("died", f"the engine core process ended (exit code {self.process.exitcode})")
+                yield ("died", self._gone())
                 return
+
+    def _gone(self) -> str:
+        return "the engine core process ended"
+
+    def is_alive(self) -> bool:
+        return self.dead is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leave: the core aborts this front end's requests (and stops once every front end left)."""
+        self.send(("stop",))
+        self._sendq.put(None)
+        self._writer.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        for conn in (self._inbox, self.outbox):
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+
+class CoreProcess(CoreLink):
+    """A core process this process started, and its only front end: start it, send to it, read
+    from it, stop it. (Several front ends: start_core, and a CoreLink in each.)"""
+
+    def __init__(self, llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core"):
+        self.process, [(inbox, outbox)] = start_core(llm_kwargs, env, name)
+        super().__init__(inbox, outbox, name)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> CoreInfo:
+        deadline = time.monotonic() + timeout
+        while not self.outbox.poll(0.2):
+            if not self.process.is_alive() and not self.outbox.poll(0):
+                raise RuntimeError(f"the engine core process exited (code {self.process.exitcode}) before "
+                                   "it was ready. It is started with 'spawn', which imports your __main__ "
+                                   "module again: run from a file whose serving code is under `if __name__ "
+                                   "== \"__main__\":` (not from stdin), or serve an LLM of this process "
+                                   "with serve(llm) (its core on a thread)")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the engine core was not ready after {timeout:.0f} s")
+        try:
+            return self.take_ready()
+        except RuntimeError:
+            self.process.join(10)
+            raise
+
+    def _gone(self) -> str:
+        self.process.join(1.0)
+        return f"the engine core process ended (exit code {self.process.exitcode})"
 
     def is_alive(self) -> bool:
         return self.dead is None and self.process.is_alive()
@@ -251,8 +281,4 @@ class CoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
-        for conn in (self._inbox, self.outbox):
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self.close()

@@ -28,7 +28,7 @@ ROOMS = [
     ("runner/engine", ["runner", "cuda_graph", "engine", "plugins", "parallel.group", "spec", "spec.draft"]),
     ("engine_core/llm", ["engine_core", "output_processor", "streaming", "rank", "engine_args", "llm", "warmup",
                          "parallel.data_parallel", "parallel.workers", "parallel.world"]),
-    ("async_llm/server", ["async_llm", "core_process", "server", "server.*"]),
+    ("async_llm/server", ["async_llm", "core_process", "core_mailbox", "server", "server.*"]),
     ("bench/CLI", ["bench", "bench.*", "__main__", ""]),          # "": the package itself (__init__)
     ("course", ["course", "course.*", "viz"]),
 ]

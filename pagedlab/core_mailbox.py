@@ -1,0 +1,156 @@
+"""The engine core's mailbox: its pipes to one or several front ends (`serve --api-servers N`).
+
+    front end 0 --add/abort/stop-->  inbox 0  \\                      / outbox 0 --step--> front end 0
+    front end 1 --add/abort/stop-->  inbox 1  --> core: take all, step --> outbox 1 --step--> front end 1
+    ...                                        /  split by owner       \\ ...
+
+Who owns a request: its id says. Front end f of N numbers its requests f, f + N, f + 2N, ... (the
+engine and its scheduler see plain ints, unique across front ends), so the owner of request `rid`
+is rid % N: no table to keep, nothing to forget.
+
+What the core sends: after each step, ONE message to each front end that has requests in that step
+(its requests' columns of the StepOutput, with the core's stats), never one per request; a front end
+with nothing in the step gets the stats alone, at most every `stats_every_s` (so every front end's
+/metrics shows the same engine gauges, a fraction of a second old at most). Each front end has its
+own writer thread: a front end that reads late holds up neither the step nor the other front ends.
+
+A front end that leaves -- it says "stop", or its inbox reaches end-of-file because it was killed --
+has its requests aborted (their blocks are free at once) and is written to no more; an abort from a
+front end touches only its own requests. The core leaves once every front end has left.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from .output_processor import StepOutput
+
+
+class Mailbox:
+    def __init__(self, inboxes, outboxes, stats_every_s: float = 0.25):
+        assert len(inboxes) == len(outboxes) >= 1
+        self.n = len(inboxes)
+        self.inboxes = list(inboxes)
+        self.live = list(range(self.n))               # the front ends that have not left
+        self.stats_every_s = stats_every_s
+        self._last_sent = [0.0] * self.n
+        self._queues = [queue.SimpleQueue() for _ in range(self.n)]
+        self._writers = [threading.Thread(target=_write, args=(q, out), name=f"core-writer{f}", daemon=True)
+                         for f, (q, out) in enumerate(zip(self._queues, outboxes))]
+        for w in self._writers:
+            w.start()
+
+    @property
+    def open(self) -> bool:
+        """Is any front end left?"""
+        return bool(self.live)
+
+    def owner(self, request_id: int) -> int:
+        return request_id % self.n
+
+    # -- in ------------------------------------------------------------------------------------
+    def wait(self, timeout: float) -> bool:
+        """Block until a front end has sent something (or left), at most `timeout` s."""
+        if self.n == 1:
+            return not self.live or self.inboxes[0].poll(timeout)
+        from multiprocessing.connection import wait
+        return bool(wait([self.inboxes[f] for f in self.live], timeout))
+
+    def take(self, core) -> None:
+        """Apply every message waiting, front end by front end: adds, aborts (of the sender's own
+        requests), and front ends that left (their requests aborted)."""
+        for f in list(self.live):
+            inbox = self.inboxes[f]
+            try:
+                while inbox.poll():
+                    msg = inbox.recv()
+                    if msg[0] == "add":
+                        core.add(msg[1])
+                    elif msg[0] == "abort":
+                        core.abort(msg[1] if self.n == 1 else [r for r in msg[1] if r % self.n == f])
+                    elif msg[0] == "stop":
+                        self.leave(core, f)
+                        break
+            except (EOFError, OSError):                # killed, or gone without a word
+                self.leave(core, f)
+
+    def leave(self, core, f: int) -> None:
+        """Front end f is gone: abort its requests, write to it no more."""
+        if f not in self.live:
+            return
+        self.live.remove(f)
+        core.abort([r for r in core.sent if r % self.n == f])
+        self._queues[f].put(None)
+        try:
+            self.inboxes[f].close()
+        except OSError:
+            pass
+
+    # -- out -----------------------------------------------------------------------------------
+    def tell_all(self, msg) -> None:
+        """The same message to every front end left (ready, failed, died, an idle core's stats)."""
+        now = time.perf_counter()
+        for f in self.live:
+            self._queues[f].put(msg)
+            self._last_sent[f] = now
+
+    def hand_out(self, step: StepOutput) -> None:
+        """One step's output: each front end its own requests' share, one message each."""
+        now = time.perf_counter()
+        if self.n == 1:
+            parts = {0: step} if step.request_ids else {}
+        else:
+            parts = split(step, self.n)
+        for f in self.live:
+            part = parts.get(f)
+            if part is not None:
+                self._queues[f].put(("step", part))
+            elif now - self._last_sent[f] >= self.stats_every_s:
+                self._queues[f].put(("stats", step.stats))
+            else:
+                continue
+            self._last_sent[f] = now
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, then stop the writers."""
+        for f in self.live:
+            self._queues[f].put(None)
+        self.live = []
+        for w in self._writers:
+            w.join(timeout)
+
+
+def split(step: StepOutput, n: int) -> dict[int, StepOutput]:
+    """A step's columns by owner (request id % n): {front end: its StepOutput}, each with the stats."""
+    parts: dict[int, StepOutput] = {}
+
+    def part(rid):
+        p = parts.get(rid % n)
+        if p is None:
+            p = parts[rid % n] = StepOutput(stats=step.stats)
+        return p
+    for rid, ids in zip(step.request_ids, step.token_ids):
+        p = part(rid)
+        p.request_ids.append(rid)
+        p.token_ids.append(ids)
+    for rid, lp in step.logprobs.items():
+        part(rid).logprobs[rid] = lp
+    for rid, fin in step.finished.items():
+        part(rid).finished[rid] = fin
+    return parts
+
+
+def _write(sendq, outbox) -> None:
+    while True:
+        msg = sendq.get()
+        if msg is None:
+            break
+        try:
+            outbox.send(msg)
+        except OSError:                       # the front end is gone: its inbox says so too
+            break
+    try:
+        outbox.close()
+    except OSError:
+        pass
