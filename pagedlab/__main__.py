@@ -178,6 +178,7 @@ def check_serve_args(args) -> None:
     try:
         check_int("max_waiting", args.max_waiting, 0, note=" (requests queued beyond the slots before 503)")
         check_int("port", args.port, 0, 65535, note=" (0: any free port)")
+        check_int("api_servers", args.api_servers, 1, note=" (front-end processes on the port)")
     except ValidationError as e:
         fail(e.rule(flag_of(e.field)))
     if not args.host.strip():
@@ -205,16 +206,20 @@ def serve(args) -> None:
     if args.engine_thread:           # one process: the engine on a thread beside the server
         if dp > 1:
             fail("--engine-thread runs one engine: leave out --data-parallel-size")
+        if args.api_servers > 1:
+            fail("--engine-thread runs the engine in the server's one process: leave out --api-servers")
         llm = _llm(args)
         run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                    background=False, log_level=args.log_level)
         return
+    n = args.api_servers
     print(f"loading {args.model} in {dp} engine core process{'es' if dp > 1 else ''} ...",
           file=sys.stderr, flush=True)
+    fronts = f", {n} front-end processes" if n > 1 else ""
     run_server(args.model, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-               background=False, log_level=args.log_level, data_parallel_size=dp,
+               background=False, log_level=args.log_level, data_parallel_size=dp, api_servers=n,
                on_ready=lambda allm: print(
-                   f"serving {name} ({dp} x {args.slots} slots, at most {args.max_waiting} waiting) on "
+                   f"serving {name} ({dp} x {args.slots} slots, at most {args.max_waiting} waiting{fronts}) on "
                    f"http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr, flush=True),
                tensor_parallel_size=args.tensor_parallel_size, **args.engine_kwargs)
 
@@ -307,6 +312,9 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="N engine cores (one process and GPU each) behind this one server, "
                         "least-loaded routing (>= 1)")
+    s.add_argument("--api-servers", "--api-server-count", dest="api_servers", type=int, default=1, metavar="N",
+                   help="N HTTP front-end processes on the port (SO_REUSEPORT), each in front of every "
+                        "engine core: HTTP, tokenizing and streaming on N CPUs (>= 1; Linux)")
     s.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of an engine core "
                         "process (slower under load: they share one GIL; for comparison)")

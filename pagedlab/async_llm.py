@@ -118,6 +118,28 @@ class CoreThread:
                 return
 
 
+def core_specs(model, data_parallel_size: int, llm_kwargs: dict) -> list[tuple[dict, dict, str]]:
+    """The engine cores to start for LLM(model, **llm_kwargs) x data_parallel_size: (LLM arguments,
+    environment, name) each. On GPUs, core k gets GPUs k*T .. k*T+T-1 (T = tensor_parallel_size);
+    only the first shows its loading progress."""
+    from .llm import parallel_sizes
+    tp, dp = parallel_sizes(llm_kwargs.get("tensor_parallel_size", 1), data_parallel_size)
+    if model is not None:
+        llm_kwargs = dict(llm_kwargs, model=model)
+    device = str(llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.startswith("cuda") and dp > 1 and torch.cuda.device_count() < tp * dp:
+        raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} GPUs; "
+                         f"torch sees {torch.cuda.device_count()}")
+    specs = []
+    for k in range(dp):
+        env = {}
+        if device.startswith("cuda") and dp > 1:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * tp + j) for j in range(tp))
+        specs.append((dict(llm_kwargs, show_progress=k == 0 and llm_kwargs.get("show_progress", True)),
+                      env, f"pagedlab-core{k}"))
+    return specs
+
+
 class Checked(NamedTuple):
     """A request as check_request returned it: safe to queue."""
     ids: list
@@ -149,23 +171,10 @@ class AsyncLLM:
         """Start data_parallel_size engine cores, each in a process of its own building
         LLM(model, **llm_kwargs); returns once every one is ready. On GPUs, core k gets GPUs
         k*T .. k*T+T-1 (T = tensor_parallel_size)."""
-        from .llm import parallel_sizes
-        tp, dp = parallel_sizes(llm_kwargs.get("tensor_parallel_size", 1), data_parallel_size)
-        if model is not None:
-            llm_kwargs["model"] = model
-        device = str(llm_kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.startswith("cuda") and dp > 1 and torch.cuda.device_count() < tp * dp:
-            raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {tp * dp} GPUs; "
-                             f"torch sees {torch.cuda.device_count()}")
         cores = []
         try:
-            for k in range(dp):
-                env = {}
-                if device.startswith("cuda") and dp > 1:
-                    env["CUDA_VISIBLE_DEVICES"] = ",".join(str(k * tp + j) for j in range(tp))
-                cores.append(CoreProcess(dict(llm_kwargs, show_progress=k == 0 and
-                                              llm_kwargs.get("show_progress", True)),
-                                         env, name=f"pagedlab-core{k}"))
+            for kwargs, env, name in core_specs(model, data_parallel_size, llm_kwargs):
+                cores.append(CoreProcess(kwargs, env, name=name))
             for c in cores:
                 c.wait_ready()
         except BaseException:

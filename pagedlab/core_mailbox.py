@@ -52,8 +52,10 @@ class Mailbox:
     # -- in ------------------------------------------------------------------------------------
     def wait(self, timeout: float) -> bool:
         """Block until a front end has sent something (or left), at most `timeout` s."""
+        if not self.live:
+            return True
         if self.n == 1:
-            return not self.live or self.inboxes[0].poll(timeout)
+            return self.inboxes[0].poll(timeout)
         from multiprocessing.connection import wait
         return bool(wait([self.inboxes[f] for f in self.live], timeout))
 

@@ -132,6 +132,8 @@ def run_core(core, mailbox) -> None:
         timing["inbox_s"] += t2 - t1
         if core.has_work() and mailbox.open:
             mailbox.hand_out(core.step())
+            if not core.has_work():               # idle now: every front end's gauges say so at once
+                mailbox.tell_all(("stats", core.stats()))
             timing["handout_s"] += clock() - t2 - core.last_step_s
 
 

@@ -1,21 +1,37 @@
-"""Several front ends in front of one engine core (`serve --api-servers N`, core_mailbox.py).
+"""Several front ends in front of one engine core (`serve --api-servers N`: core_mailbox.py,
+server/frontends.py).
 
 The core's side first, in this process: two AsyncLLM front ends on pipes of one core process get
 exactly LLM.generate's tokens, each only its own requests' outputs (one message per step per front
 end); one front end's aborts free every block while the other's requests finish exactly; a front
 end that vanishes without a word (its pipes closed: what SIGKILL does) has its requests aborted in
-the core, the other keeps going, and the core leaves once the last front end has left."""
+the core, the other keeps going, and the core leaves once the last front end has left.
+
+Then the server, `serve(..., api_servers=2)`: two front-end processes on one port. The official
+client's concurrent mixed requests get generate()'s text and both front ends served some; clients
+pinned to one front end (one keep-alive connection each, /health says which) leave early and free
+every block while the other front end's requests finish exactly; SIGKILL of a front end with
+streams open: the other serves on and the core frees the dead one's blocks. The CLI: SIGINT,
+SIGTERM or SIGKILL of the parent leaves no process; SIGKILL of the core ends every open stream of
+every front end with an error event within 10 s and the parent exits with status 1."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import signal
 import time
 
+import httpx
 import pytest
 
 from pagedlab import SamplingParams
 from pagedlab.async_llm import AsyncLLM
 from pagedlab.core_process import CoreLink, start_core
-from test_engine_core import MODEL, llm_kwargs, reference, requests  # noqa: F401  (reference: a fixture)
+from pagedlab.server import serve
+from test_engine_core import (MODEL, alive, body, complete_all, free_port, llm_kwargs, reference,  # noqa: F401
+                              requests, start_cli_server, wait_gone)
 
 DEADLINE_S = 30.0
 
@@ -147,3 +163,253 @@ def test_a_vanished_front_end_has_its_requests_aborted_and_the_core_goes_on(two_
     allms[1].shutdown()
     process.join(DEADLINE_S)
     assert process.exitcode == 0
+
+
+# -- the server: two front-end processes on one port -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def fronts():
+    s = serve(MODEL, model_name="tiny", port=0, api_servers=2, **llm_kwargs())
+    yield s
+    s.stop()
+    assert not any(alive(p) for p in s.frontend_pids + s.core_pids)
+
+
+def scrape_each(url: str, path: str = "/metrics", n: int = 2) -> dict[int, str]:
+    """`path` from every front end: one fresh connection per GET (the kernel picks the front end),
+    until each of the n has answered; {front end index: text}."""
+    got = {}
+    for _ in range(200):
+        r = httpx.get(url + path, timeout=10)
+        got[int(re.search(r'"?index"?[=:] ?"?(\d+)', r.text).group(1))] = r.text
+        if len(got) == n:
+            return got
+    raise AssertionError(f"only front ends {sorted(got)} answered {path}")
+
+
+def metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)", text, re.M).group(1))
+
+
+def wait_idle(url: str, deadline_s: float = DEADLINE_S) -> float:
+    """Until the core runs nothing and holds no block (as a front end's /metrics says): its step count."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        m = httpx.get(url + "/metrics", timeout=10).text
+        if metric(m, "pagedlab_kv_blocks_used") == 0 and metric(m, "pagedlab_requests_running") == 0:
+            return metric(m, "pagedlab_engine_steps")
+        time.sleep(0.05)
+    raise AssertionError(f"blocks still in use after {deadline_s} s")
+
+
+async def pinned(url: str, want: dict[int, int]) -> dict[int, list[httpx.AsyncClient]]:
+    """want[f] clients on front end f: each holds one keep-alive connection, which /health says
+    the kernel gave to front end f."""
+    got: dict[int, list] = {f: [] for f in want}
+    for _ in range(400):
+        if all(len(got[f]) >= n for f, n in want.items()):
+            return got
+        c = httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1))
+        f = (await c.get("/health")).json()["frontend"]["index"]
+        if len(got.get(f, want)) < want.get(f, 0):
+            got[f].append(c)
+        else:
+            await c.aclose()
+    raise AssertionError(f"could not pin clients to front ends {want}")
+
+
+async def complete(c: httpx.AsyncClient, prompt, sp: SamplingParams, stream: bool) -> tuple[str, str]:
+    """One /v1/completions request: (text, finish_reason)."""
+    b = dict(model="tiny", prompt=prompt, stream=stream, **body(sp))
+    if not stream:
+        r = (await c.post("/v1/completions", json=b)).json()
+        return r["choices"][0]["text"], r["choices"][0]["finish_reason"]
+    text, reason = "", None
+    async with c.stream("POST", "/v1/completions", json=b) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                ch = json.loads(line[6:])["choices"][0]
+                text += ch["text"]
+                reason = ch["finish_reason"] or reason
+    return text, reason
+
+
+async def hang_up_after_first_chunk(c: httpx.AsyncClient, i: int, kill=None) -> None:
+    async with c.stream("POST", "/v1/completions", json=dict(
+            model="tiny", prompt=[5 + i, 6, 7], max_tokens=240, ignore_eos=True, stream=True)) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data:") and "<" in line:
+                if kill is not None:
+                    kill()
+                return
+
+
+def test_two_front_ends_serve_generates_text_and_both_serve(fronts, reference):
+    prompts, params = requests(24, 21, reference)
+    want = reference.generate(prompts, params)
+    got = asyncio.run(complete_all(fronts.url, prompts, params))
+    for (text, reason), w in zip(got, want):
+        assert text == w.text and reason == w.finish_reason      # ids in brackets: text is tokens
+    wait_idle(fronts.url)
+    end = time.monotonic() + 10
+    while True:                         # the core's gauges, the same on both once it is idle
+        each = scrape_each(fronts.url)
+        if all(metric(m, "pagedlab_kv_blocks_used") == 0 for m in each.values()) or time.monotonic() > end:
+            break
+    done = {f: sum(float(v) for v in re.findall(r'^pagedlab_requests_finished_total\{finish_reason="(?:stop|length)"\} (\S+)',
+                                                 m, re.M)) for f, m in each.items()}
+    assert sum(done.values()) == len(prompts) and all(done.values()), done    # each served some
+    for name in ("pagedlab_kv_blocks_total", "pagedlab_kv_blocks_used"):        # the core's gauges, on both
+        assert metric(each[0], name) == metric(each[1], name)
+    pids = {f: re.search(r'pid="(\d+)"', m).group(1) for f, m in each.items()}
+    assert sorted(int(p) for p in pids.values()) == sorted(fronts.frontend_pids)
+
+
+def test_clients_leaving_one_front_end_free_every_block_the_other_finishes(fronts, reference):
+    prompts, params = requests(6, 23, reference)
+    want = reference.generate(prompts, params)
+
+    async def main():
+        clients = await pinned(fronts.url, {0: 3, 1: len(prompts)})
+        try:
+            leave = [hang_up_after_first_chunk(c, i) for i, c in enumerate(clients[0])]
+            stay = [complete(c, p, sp, stream=i % 2 == 0)
+                    for i, (c, p, sp) in enumerate(zip(clients[1], prompts, params))]
+            return await asyncio.gather(*stay, *leave)
+        finally:
+            for c in clients[0] + clients[1]:
+                await c.aclose()
+    steps_before = wait_idle(fronts.url)
+    got = asyncio.run(main())[:len(prompts)]
+    for (text, reason), w in zip(got, want):
+        assert text == w.text and reason == w.finish_reason
+    assert wait_idle(fronts.url) - steps_before < 200      # the 240-token streams were aborted, not run out
+
+
+def test_a_killed_front_end_leaves_the_other_serving_and_its_blocks_free(fronts, reference):
+    """SIGKILL of front end 0 while its streams are open: front end 1's requests finish exactly, the
+    core aborts front end 0's (idle long before their 240 tokens), and every new connection is
+    served by front end 1. (Last of this module's server tests: it leaves one front end.)"""
+    prompts, params = requests(6, 29, reference)
+    want = reference.generate(prompts, params)
+    victim = int(re.search(r'pid="(\d+)"', scrape_each(fronts.url)[0]).group(1))
+
+    async def main():
+        clients = await pinned(fronts.url, {0: 3, 1: len(prompts)})
+        try:
+            doomed = [hang_up_after_first_chunk(c, i, kill=lambda: os.kill(victim, signal.SIGKILL))
+                      for i, c in enumerate(clients[0][:1])]
+            doomed += [hang_up_after_first_chunk(c, i + 1) for i, c in enumerate(clients[0][1:])]
+            stay = [complete(c, p, sp, stream=i % 2 == 0)
+                    for i, (c, p, sp) in enumerate(zip(clients[1], prompts, params))]
+            return await asyncio.gather(*stay, *doomed, return_exceptions=True)
+        finally:
+            for c in clients[0] + clients[1]:
+                await c.aclose()
+    steps_before = wait_idle(fronts.url)
+    got = asyncio.run(main())[:len(prompts)]
+    for (text, reason), w in zip(got, want):
+        assert text == w.text and reason == w.finish_reason
+    assert wait_gone([victim])
+    assert wait_idle(fronts.url) - steps_before < 200
+    for _ in range(10):
+        h = httpx.get(fronts.url + "/health", timeout=10).json()
+        assert h["status"] == "ok" and h["frontend"]["index"] == 1
+
+
+def test_two_front_ends_in_front_of_two_data_parallel_cores(reference):
+    """--api-servers 2 --data-parallel-size 2: every front end talks to both cores; greedy and
+    seeded requests give one engine's text, and a scrape counts both cores' blocks."""
+    prompts, params = requests(12, 31, reference)
+    want = reference.generate(prompts, params)
+    s = serve(MODEL, model_name="tiny", port=0, api_servers=2, data_parallel_size=2, **llm_kwargs())
+    try:
+        assert len(s.core_pids) == 2
+        got = asyncio.run(complete_all(s.url, prompts, params))
+        for (text, reason), w in zip(got, want):
+            assert text == w.text and reason == w.finish_reason
+        for m in scrape_each(s.url).values():
+            assert metric(m, "pagedlab_kv_blocks_total") == 2 * llm_kwargs()["num_blocks"]
+    finally:
+        s.stop()
+    assert not any(alive(p) for p in s.frontend_pids + s.core_pids)
+
+
+# -- the CLI: signals ------------------------------------------------------------------------------
+
+def start_two_front_ends():
+    port = free_port()
+    proc, cores = start_cli_server(port, "--api-servers", "2", "--slots", "4")
+    url = f"http://127.0.0.1:{port}"
+    fronts = [json.loads(h)["frontend"]["pid"] for h in scrape_each(url, "/health").values()]
+    assert len(set(fronts + cores)) == 3
+    return proc, url, cores, fronts
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_a_stopped_or_killed_parent_leaves_no_process(how):
+    proc, url, cores, fronts = start_two_front_ends()
+    try:
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json=dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, ignore_eos=True))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        os.kill(proc.pid, getattr(signal, how))
+        proc.wait(30)
+        assert wait_gone(cores + fronts), f"a process was left running after {how} of the parent"
+        if how != "SIGKILL":        # a clean stop: 130 after Ctrl-C (the shell's convention), else 0
+            assert proc.returncode == (130 if how == "SIGINT" else 0), proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in cores + fronts:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli():
+    proc, url, cores, fronts = start_two_front_ends()
+
+    async def streams_while_the_core_dies():
+        clients = await pinned(url, {0: 2, 1: 2})
+        started = asyncio.Event()
+        n = [0]
+
+        async def one(c, i):
+            events = []
+            async with c.stream("POST", "/v1/completions", json=dict(
+                    model=MODEL, prompt=[5 + i, 6], max_tokens=240, ignore_eos=True, stream=True)) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        if len(events) == 1:
+                            n[0] += 1
+                            if n[0] == 4:
+                                started.set()
+            return events
+
+        async def kill():
+            await started.wait()
+            os.kill(cores[0], signal.SIGKILL)
+            return time.monotonic()
+        try:
+            every = [one(c, i) for i, c in enumerate(clients[0] + clients[1])]
+            *results, killed = await asyncio.gather(*every, kill())
+            return results, time.monotonic() - killed
+        finally:
+            for c in clients[0] + clients[1]:
+                await c.aclose()
+    try:
+        results, after_s = asyncio.run(streams_while_the_core_dies())
+        assert after_s < 10.0
+        ends = [(len(ev), any('"error"' in e for e in ev), ev[-1][:60]) for ev in results]
+        assert all(err and last == "data: [DONE]" for _, err, last in ends), ends
+        proc.wait(30)
+        out = proc.stdout.read()
+        assert proc.returncode == 1 and "engine core 0 died" in out, out
+        assert wait_gone(fronts)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in cores + fronts:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

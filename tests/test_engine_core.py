@@ -256,10 +256,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_cli_server(port: int):
+def start_cli_server(port: int, *more: str):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "pagedlab", "serve", "--model", MODEL, "--device", "cpu",
-                             "--port", str(port), "--slots", "2", "--log-level", "warning"],
+                             "--port", str(port), "--slots", "2", "--log-level", "warning", *more],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     end = time.monotonic() + 120

@@ -12,6 +12,7 @@ One concept per file:
     metrics.py     Prometheus metrics at /metrics
     app.py         the FastAPI app: endpoints, streaming, a client that goes away aborts its request
     run.py         serve(): uvicorn in the foreground or on a background thread
+    frontends.py   serve(..., api_servers=N): N front-end processes on one port, in front of the same cores
 """
 from .app import build_app
 from .run import RunningServer, serve

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import anyio
@@ -179,7 +180,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
                   lifespan=lifespan)
-    metrics = ServerMetrics(async_llm.stats)
+    frontend = dict(index=getattr(async_llm, "frontend", 0), of=getattr(async_llm, "frontends", 1), pid=os.getpid())
+    metrics = ServerMetrics(async_llm.stats, frontend)
     gate = AdmissionGate(async_llm.max_num_seqs, max_waiting)
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
     app.state.model_name = model_name
@@ -202,8 +204,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     @app.get("/health")
     async def health():
         alive = async_llm.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped", "engine_cores": async_llm.core_status()},
-                            status_code=200 if alive else 503)
+        return JSONResponse({"status": "ok" if alive else "engine stopped", "engine_cores": async_llm.core_status(),
+                             "frontend": frontend}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def prometheus():

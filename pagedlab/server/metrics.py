@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
 # seconds; TTFT spans a fast GPU (ms) to a loaded CPU (many s), ITL a GPU step to a CPU step
@@ -76,9 +76,15 @@ class ManyHistogram:
 
 
 class ServerMetrics:
-    def __init__(self, stats):
-        """stats: a function giving the engine's gauges now (AsyncLLM.stats: summed over its cores)."""
+    def __init__(self, stats, frontend: dict | None = None):
+        """stats: a function giving the engine's gauges now (AsyncLLM.stats: summed over its cores).
+        frontend: which front end answers (index, of, pid; serve --api-servers N): a scrape reaches
+        one of them, and says which."""
         self.registry = reg = CollectorRegistry()
+        if frontend is not None:
+            Info("pagedlab_frontend", "the front end that answered this scrape (serve --api-servers N: "
+                 "each counts its own requests; the engine gauges are the cores', the same on all)",
+                 registry=reg).info({k: str(v) for k, v in frontend.items()})
         for name, key, doc in (
                 ("pagedlab_requests_running", "running", "requests in a slot (prefilling or decoding)"),
                 ("pagedlab_requests_waiting", "waiting", "requests in the engine's queue (new and preempted)"),

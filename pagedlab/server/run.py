@@ -27,6 +27,7 @@ import uvicorn
 from ..async_llm import AsyncLLM
 from ..core_process import freeze_heap
 from .app import DEFAULT_MAX_WAITING, build_app
+from .frontends import FrontEnds
 
 START_TIMEOUT_S = 60.0
 
@@ -88,14 +89,19 @@ def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: i
 
 def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = DEFAULT_MAX_WAITING, background: bool = True,
-          log_level: str = "warning", data_parallel_size: int = 1, on_ready=None,
-          **llm_kwargs) -> RunningServer | None:
+          log_level: str = "warning", data_parallel_size: int = 1, on_ready=None, api_servers: int = 1,
+          **llm_kwargs) -> RunningServer | FrontEnds | None:
     """Serve over OpenAI's API: `llm` is a model name or path (engine cores in processes of their
     own, built with **llm_kwargs; data_parallel_size=N: N cores behind one server), an LLM of this
     process, or an AsyncLLM. background=True: start on a thread and return a RunningServer once it
     accepts connections (port=0 picks a free port). background=False: run here until Ctrl-C or
-    SIGTERM, then stop the engine; returns None, or raises SystemExit(1) if an engine core died."""
+    SIGTERM, then stop the engine; returns None, or raises SystemExit(1) if an engine core died.
+    api_servers=N > 1 (a model name only): N front-end processes on the port, each in front of
+    every core (frontends.py); background=True returns their FrontEnds (.url, .stop())."""
     name = model_name or default_name(llm)
+    if api_servers != 1:
+        return serve_frontends(llm, name, host, port, max_waiting, background, log_level, data_parallel_size,
+                               on_ready, api_servers, **llm_kwargs)
     async_llm = make_async_llm(llm, data_parallel_size, **llm_kwargs)
     try:
         server, app = make_server(async_llm, name, host, port, max_waiting, log_level)
@@ -135,3 +141,32 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
             raise RuntimeError(f"the server did not start on {host}:{port} (port in use?)")
         time.sleep(0.01)
     return RunningServer(server, thread, async_llm, app, host)
+
+
+def serve_frontends(llm, name: str, host: str, port: int, max_waiting: int, background: bool, log_level: str,
+                    data_parallel_size: int, on_ready, api_servers: int, **llm_kwargs) -> FrontEnds | None:
+    """serve(..., api_servers=N > 1): the front ends in processes of their own, this process their parent."""
+    if not isinstance(api_servers, int) or api_servers < 1:
+        raise ValueError(f"api_servers must be an integer >= 1, got {api_servers!r}")
+    if not isinstance(llm, (str, os.PathLike)):
+        raise ValueError("api_servers > 1 serves a model name or path: each front end is a process of its "
+                         "own, in front of engine core processes (an LLM or AsyncLLM of this process "
+                         "has one front end: this one)")
+    previous = None if background else signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        fronts = FrontEnds(str(llm), name, host, port, max_waiting, log_level, api_servers,
+                           data_parallel_size, **llm_kwargs).wait_ready()
+        if on_ready is not None:
+            on_ready(fronts)
+        if background:
+            return fronts
+        try:
+            status = fronts.run()
+        finally:
+            fronts.stop()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if status:
+        raise SystemExit(status)
+    return None
