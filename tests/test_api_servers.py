@@ -17,6 +17,7 @@ every front end with an error event within 10 s and the parent exits with status
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -30,8 +31,8 @@ from pagedlab import SamplingParams
 from pagedlab.async_llm import AsyncLLM
 from pagedlab.core_process import CoreLink, start_core
 from pagedlab.server import serve
-from test_engine_core import (MODEL, alive, body, complete_all, free_port, llm_kwargs, reference,  # noqa: F401
-                              requests, start_cli_server, wait_gone)
+from test_engine_core import (MODEL, alive, body, free_port, llm_kwargs, reference, requests,  # noqa: F401
+                              served_like_generate, start_cli_server, wait_gone)
 
 DEADLINE_S = 30.0
 
@@ -245,11 +246,7 @@ async def hang_up_after_first_chunk(c: httpx.AsyncClient, i: int, kill=None) -> 
 
 
 def test_two_front_ends_serve_generates_text_and_both_serve(fronts, reference):
-    prompts, params = requests(24, 21, reference)
-    want = reference.generate(prompts, params)
-    got = asyncio.run(complete_all(fronts.url, prompts, params))
-    for (text, reason), w in zip(got, want):
-        assert text == w.text and reason == w.finish_reason      # ids in brackets: text is tokens
+    served_like_generate(fronts.url, 24, 21, reference)       # the official client, mixed requests
     wait_idle(fronts.url)
     end = time.monotonic() + 10
     while True:                         # the core's gauges, the same on both once it is idle
@@ -258,60 +255,51 @@ def test_two_front_ends_serve_generates_text_and_both_serve(fronts, reference):
             break
     done = {f: sum(float(v) for v in re.findall(r'^pagedlab_requests_finished_total\{finish_reason="(?:stop|length)"\} (\S+)',
                                                  m, re.M)) for f, m in each.items()}
-    assert sum(done.values()) == len(prompts) and all(done.values()), done    # each served some
+    assert sum(done.values()) == 24 and all(done.values()), done    # each served some
     for name in ("pagedlab_kv_blocks_total", "pagedlab_kv_blocks_used"):        # the core's gauges, on both
         assert metric(each[0], name) == metric(each[1], name)
     pids = {f: re.search(r'pid="(\d+)"', m).group(1) for f, m in each.items()}
     assert sorted(int(p) for p in pids.values()) == sorted(fronts.frontend_pids)
 
 
-def test_clients_leaving_one_front_end_free_every_block_the_other_finishes(fronts, reference):
-    prompts, params = requests(6, 23, reference)
+def one_front_end_leaves(url: str, reference, seed: int, kill_pid: int | None = None) -> None:
+    """Three clients on front end 0 hang up after their first chunk of a 240-token stream (the
+    first, with kill_pid, SIGKILLs that process first), while six on front end 1 send mixed requests,
+    streamed and not: those get exactly generate()'s text, and the core is idle again long before
+    240 steps (front end 0's requests were aborted, not run out)."""
+    prompts, params = requests(6, seed, reference)
     want = reference.generate(prompts, params)
 
     async def main():
-        clients = await pinned(fronts.url, {0: 3, 1: len(prompts)})
+        clients = await pinned(url, {0: 3, 1: len(prompts)})
+        kill = (lambda: os.kill(kill_pid, signal.SIGKILL)) if kill_pid else None
         try:
-            leave = [hang_up_after_first_chunk(c, i) for i, c in enumerate(clients[0])]
+            leave = [hang_up_after_first_chunk(c, i, kill if i == 0 else None) for i, c in enumerate(clients[0])]
             stay = [complete(c, p, sp, stream=i % 2 == 0)
                     for i, (c, p, sp) in enumerate(zip(clients[1], prompts, params))]
-            return await asyncio.gather(*stay, *leave)
+            return await asyncio.gather(*stay, *leave, return_exceptions=kill_pid is not None)
         finally:
             for c in clients[0] + clients[1]:
                 await c.aclose()
-    steps_before = wait_idle(fronts.url)
+    steps_before = wait_idle(url)
     got = asyncio.run(main())[:len(prompts)]
     for (text, reason), w in zip(got, want):
         assert text == w.text and reason == w.finish_reason
-    assert wait_idle(fronts.url) - steps_before < 200      # the 240-token streams were aborted, not run out
+    if kill_pid:
+        assert wait_gone([kill_pid])
+    assert wait_idle(url) - steps_before < 200
+
+
+def test_clients_leaving_one_front_end_free_every_block_the_other_finishes(fronts, reference):
+    one_front_end_leaves(fronts.url, reference, 23)
 
 
 def test_a_killed_front_end_leaves_the_other_serving_and_its_blocks_free(fronts, reference):
     """SIGKILL of front end 0 while its streams are open: front end 1's requests finish exactly, the
-    core aborts front end 0's (idle long before their 240 tokens), and every new connection is
-    served by front end 1. (Last of this module's server tests: it leaves one front end.)"""
-    prompts, params = requests(6, 29, reference)
-    want = reference.generate(prompts, params)
+    core aborts front end 0's, and every new connection is served by front end 1. (Last of this
+    module's server tests: it leaves one front end.)"""
     victim = int(re.search(r'pid="(\d+)"', scrape_each(fronts.url)[0]).group(1))
-
-    async def main():
-        clients = await pinned(fronts.url, {0: 3, 1: len(prompts)})
-        try:
-            doomed = [hang_up_after_first_chunk(c, i, kill=lambda: os.kill(victim, signal.SIGKILL))
-                      for i, c in enumerate(clients[0][:1])]
-            doomed += [hang_up_after_first_chunk(c, i + 1) for i, c in enumerate(clients[0][1:])]
-            stay = [complete(c, p, sp, stream=i % 2 == 0)
-                    for i, (c, p, sp) in enumerate(zip(clients[1], prompts, params))]
-            return await asyncio.gather(*stay, *doomed, return_exceptions=True)
-        finally:
-            for c in clients[0] + clients[1]:
-                await c.aclose()
-    steps_before = wait_idle(fronts.url)
-    got = asyncio.run(main())[:len(prompts)]
-    for (text, reason), w in zip(got, want):
-        assert text == w.text and reason == w.finish_reason
-    assert wait_gone([victim])
-    assert wait_idle(fronts.url) - steps_before < 200
+    one_front_end_leaves(fronts.url, reference, 29, kill_pid=victim)
     for _ in range(10):
         h = httpx.get(fronts.url + "/health", timeout=10).json()
         assert h["status"] == "ok" and h["frontend"]["index"] == 1
@@ -320,14 +308,10 @@ def test_a_killed_front_end_leaves_the_other_serving_and_its_blocks_free(fronts,
 def test_two_front_ends_in_front_of_two_data_parallel_cores(reference):
     """--api-servers 2 --data-parallel-size 2: every front end talks to both cores; greedy and
     seeded requests give one engine's text, and a scrape counts both cores' blocks."""
-    prompts, params = requests(12, 31, reference)
-    want = reference.generate(prompts, params)
     s = serve(MODEL, model_name="tiny", port=0, api_servers=2, data_parallel_size=2, **llm_kwargs())
     try:
         assert len(s.core_pids) == 2
-        got = asyncio.run(complete_all(s.url, prompts, params))
-        for (text, reason), w in zip(got, want):
-            assert text == w.text and reason == w.finish_reason
+        served_like_generate(s.url, 12, 31, reference)
         for m in scrape_each(s.url).values():
             assert metric(m, "pagedlab_kv_blocks_total") == 2 * llm_kwargs()["num_blocks"]
     finally:
@@ -337,27 +321,18 @@ def test_two_front_ends_in_front_of_two_data_parallel_cores(reference):
 
 # -- the CLI: signals ------------------------------------------------------------------------------
 
-def start_two_front_ends():
+@contextlib.contextmanager
+def cli_with_two_front_ends():
+    """`python -m pagedlab serve --api-servers 2` in a subprocess: (process, url, core pids, front-end
+    pids); whatever is still running at the end is killed."""
     port = free_port()
     proc, cores = start_cli_server(port, "--api-servers", "2", "--slots", "4")
-    url = f"http://127.0.0.1:{port}"
-    fronts = [json.loads(h)["frontend"]["pid"] for h in scrape_each(url, "/health").values()]
-    assert len(set(fronts + cores)) == 3
-    return proc, url, cores, fronts
-
-
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
-def test_a_stopped_or_killed_parent_leaves_no_process(how):
-    proc, url, cores, fronts = start_two_front_ends()
+    fronts = []
     try:
-        r = httpx.post(url + "/v1/completions", timeout=60,
-                       json=dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, ignore_eos=True))
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        os.kill(proc.pid, getattr(signal, how))
-        proc.wait(30)
-        assert wait_gone(cores + fronts), f"a process was left running after {how} of the parent"
-        if how != "SIGKILL":        # a clean stop: 130 after Ctrl-C (the shell's convention), else 0
-            assert proc.returncode == (130 if how == "SIGINT" else 0), proc.stdout.read()
+        url = f"http://127.0.0.1:{port}"
+        fronts = [json.loads(h)["frontend"]["pid"] for h in scrape_each(url, "/health").values()]
+        assert len(set(fronts + cores)) == 3
+        yield proc, url, cores, fronts
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -366,10 +341,21 @@ def test_a_stopped_or_killed_parent_leaves_no_process(how):
                 os.kill(p, signal.SIGKILL)
 
 
-def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli():
-    proc, url, cores, fronts = start_two_front_ends()
+@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "SIGKILL"])
+def test_a_stopped_or_killed_parent_leaves_no_process(how):
+    with cli_with_two_front_ends() as (proc, url, cores, fronts):
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json=dict(model=MODEL, prompt=[5, 6, 7], max_tokens=4, ignore_eos=True))
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        os.kill(proc.pid, getattr(signal, how))
+        proc.wait(30)
+        assert wait_gone(cores + fronts), f"a process was left running after {how} of the parent"
+        if how != "SIGKILL":        # a clean stop: 130 after Ctrl-C (the shell's convention), else 0
+            assert proc.returncode == (130 if how == "SIGINT" else 0), proc.stdout.read()
 
-    async def streams_while_the_core_dies():
+
+def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli():
+    async def streams_while_the_core_dies(url, core):
         clients = await pinned(url, {0: 2, 1: 2})
         started = asyncio.Event()
         n = [0]
@@ -389,7 +375,7 @@ def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli(
 
         async def kill():
             await started.wait()
-            os.kill(cores[0], signal.SIGKILL)
+            os.kill(core, signal.SIGKILL)
             return time.monotonic()
         try:
             every = [one(c, i) for i, c in enumerate(clients[0] + clients[1])]
@@ -398,8 +384,8 @@ def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli(
         finally:
             for c in clients[0] + clients[1]:
                 await c.aclose()
-    try:
-        results, after_s = asyncio.run(streams_while_the_core_dies())
+    with cli_with_two_front_ends() as (proc, url, cores, fronts):
+        results, after_s = asyncio.run(streams_while_the_core_dies(url, cores[0]))
         assert after_s < 10.0
         ends = [(len(ev), any('"error"' in e for e in ev), ev[-1][:60]) for ev in results]
         assert all(err and last == "data: [DONE]" for _, err, last in ends), ends
@@ -407,9 +393,3 @@ def test_a_killed_core_errors_every_stream_of_every_front_end_and_stops_the_cli(
         out = proc.stdout.read()
         assert proc.returncode == 1 and "engine core 0 died" in out, out
         assert wait_gone(fronts)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in cores + fronts:
-            if alive(p):
-                os.kill(p, signal.SIGKILL)

@@ -122,6 +122,16 @@ async def complete_all(url: str, prompts, params, stream_every: int = 2):
         await c.close()
 
 
+def served_like_generate(url: str, n: int, seed: int, reference) -> None:
+    """n concurrent mixed requests (complete_all) get exactly generate()'s text and finish reasons
+    (ids in brackets: the text is the tokens)."""
+    prompts, params = requests(n, seed, reference)
+    want = reference.generate(prompts, params)
+    got = asyncio.run(complete_all(url, prompts, params))
+    for (text, reason), w in zip(got, want):
+        assert text == w.text and reason == w.finish_reason
+
+
 def wait_blocks_free(url: str, deadline_s: float = DEADLINE_S) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
@@ -173,11 +183,7 @@ def test_engine_core_hands_out_every_token_and_ending_once(reference):
 # -- the server on a core process ----------------------------------------------------------------
 
 def test_served_tokens_equal_generate_under_concurrency(server, reference):
-    prompts, params = requests(16, 1, reference)
-    want = reference.generate(prompts, params)
-    got = asyncio.run(complete_all(server.url, prompts, params))
-    for (text, reason), w in zip(got, want):
-        assert text == w.text and reason == w.finish_reason      # ids in brackets: text is tokens
+    served_like_generate(server.url, 16, 1, reference)
     wait_blocks_free(server.url)
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok" and health["engine_cores"][0]["pid"] != os.getpid()
@@ -209,15 +215,11 @@ def test_data_parallel_serving_gives_one_engines_outputs(reference):
     """Two engine cores behind one server: seeded and greedy requests give one engine's tokens, and
     /metrics counts both cores' blocks. Then one core is SIGKILLed with streams open: each of its
     streams gets an error event within 10 s, /health turns 503, the server does not hang."""
-    prompts, params = requests(12, 2, reference)
-    want = reference.generate(prompts, params)
     s = serve(MODEL, model_name="tiny", port=0, data_parallel_size=2, **llm_kwargs())
     try:
         cores = s.async_llm.core_status()
         assert len(cores) == 2 and len({c["pid"] for c in cores}) == 2
-        got = asyncio.run(complete_all(s.url, prompts, params))
-        for (text, reason), w in zip(got, want):
-            assert text == w.text and reason == w.finish_reason      # ids in brackets: text is tokens
+        served_like_generate(s.url, 12, 2, reference)
         m = httpx.get(s.url + "/metrics").text
         assert float(re.search(r"^pagedlab_kv_blocks_total (\S+)", m, re.M).group(1)) == 2 * NUM_BLOCKS
 
