@@ -303,6 +303,29 @@ def test_a_killed_front_end_leaves_the_other_serving_and_its_blocks_free(fronts,
     for _ in range(10):
         h = httpx.get(fronts.url + "/health", timeout=10).json()
         assert h["status"] == "ok" and h["frontend"]["index"] == 1
+    end = time.monotonic() + 5
+    while fronts.admitted[0] and time.monotonic() < end:     # the parent clears the dead one's admissions
+        time.sleep(0.05)
+    assert list(fronts.admitted) == [0, 0]
+
+
+def test_the_front_ends_admit_against_one_bound():
+    """AdmissionGate with a shared array (what each front end gets): slots + max_waiting streams for
+    the server, whichever front end admits them."""
+    import multiprocessing
+
+    from pagedlab.server.admission import AdmissionGate
+    from pagedlab.server.protocol import OpenAIError
+    shared = multiprocessing.get_context("spawn").RawArray("q", 2)
+    a, b = AdmissionGate(4, 2, shared, 0), AdmissionGate(4, 2, shared, 1)
+    tickets = [a.admit() for _ in range(4)] + [b.admit(2)]
+    for gate in (a, b):
+        with pytest.raises(OpenAIError) as e:
+            gate.admit()
+        assert e.value.status == 503 and gate.waiting == 2
+    tickets[0].release()
+    tickets.append(b.admit())
+    assert list(shared) == [3, 3] and a.total() == b.total() == 6
 
 
 def test_two_front_ends_in_front_of_two_data_parallel_cores(reference):

@@ -10,6 +10,12 @@ or try another replica. A load balancer or a client with retries turns that into
 The count is the server's own, changed on the event loop only (no lock needed, no race with the
 engine thread): `admit` counts a request in before anything is queued, and its ticket's `release`
 counts it out when its response is over, however it ended (done, error, client gone).
+
+Several front-end processes (serve --api-servers N): each writes its own count into one slot of a
+shared array and admits against the sum of all slots, so the bound is the server's, not N times it.
+Two front ends admitting at the same instant may both see room for the last place: the bound can be
+passed by a request or two, never by a front end's share. A front end that dies has its slot
+cleared by the parent (frontends.py).
 """
 from __future__ import annotations
 
@@ -31,11 +37,27 @@ class Ticket:
 
 
 class AdmissionGate:
-    def __init__(self, slots: int, max_waiting: int):
+    def __init__(self, slots: int, max_waiting: int, shared=None, index: int = 0):
+        """shared (several front ends): every front end's count, this one's at shared[index]."""
         if max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {max_waiting}")
         self.slots, self.max_waiting = slots, max_waiting
-        self.in_flight = 0                  # streams admitted and not finished
+        self._shared, self._index = shared, index
+        self._in_flight = 0                 # streams this front end admitted and not finished
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, n: int) -> None:
+        self._in_flight = n
+        if self._shared is not None:
+            self._shared[self._index] = n
+
+    def total(self) -> int:
+        """Streams admitted and not finished, by every front end."""
+        return self._in_flight if self._shared is None else sum(self._shared)
 
     @property
     def capacity(self) -> int:
@@ -44,7 +66,7 @@ class AdmissionGate:
     @property
     def waiting(self) -> int:
         """Streams admitted beyond the slots: they wait in the engine's queue."""
-        return max(0, self.in_flight - self.slots)
+        return max(0, self.total() - self.slots)
 
     def admit(self, n: int = 1) -> Ticket:
         """A ticket for n streams, or OpenAIError 503 when the queue would hold more than max_waiting."""
@@ -52,7 +74,7 @@ class AdmissionGate:
             raise OpenAIError(f"this request needs {n} streams (prompts x n) but the server runs at most "
                               f"{self.capacity} at once ({self.slots} slots + {self.max_waiting} waiting)",
                               param="n")
-        if self.in_flight + n > self.capacity:
+        if self.total() + n > self.capacity:
             raise OpenAIError(f"the server is busy: {self.waiting} requests are waiting (at most "
                               f"{self.max_waiting}); retry after {RETRY_AFTER_S} s", status=503,
                               type="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -166,9 +166,10 @@ async def until_disconnect(request: Request, work):
 
 # -- the app -------------------------------------------------------------------------------------
 
-def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING) -> FastAPI:
+def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING, admitted=None) -> FastAPI:
     """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
-    made it shuts it down (pagedlab.server.serve does)."""
+    made it shuts it down (pagedlab.server.serve does). admitted: the front ends' shared admission
+    counts (serve --api-servers N: AdmissionGate)."""
     tokenizer, max_model_len = async_llm.tokenizer, async_llm.max_model_len
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -182,7 +183,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
                   lifespan=lifespan)
     frontend = dict(index=getattr(async_llm, "frontend", 0), of=getattr(async_llm, "frontends", 1), pid=os.getpid())
     metrics = ServerMetrics(async_llm.stats, frontend)
-    gate = AdmissionGate(async_llm.max_num_seqs, max_waiting)
+    gate = AdmissionGate(async_llm.max_num_seqs, max_waiting, admitted, frontend["index"])
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
     app.state.model_name = model_name
 

@@ -37,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -82,7 +83,7 @@ class _FrontEndServer(uvicorn.Server):
 
 
 def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str, max_waiting: int,
-                  log_level: str) -> None:
+                  admitted, log_level: str) -> None:
     """Front end `index` of `count`: wait for every core, then serve HTTP on `sock` until the parent
     says stop (or is gone). Tells the parent ("ready", pid) once it accepts, ("failed", why) if a
     core did not start."""
@@ -99,7 +100,7 @@ def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str,
     allm = AsyncLLM.connect(links, index, count)
     allm.on_core_death = lambda k, why: print(f"pagedlab: front end {index}: engine core {k} died ({why})",
                                               file=sys.stderr, flush=True)
-    app = build_app(allm, model_name, max_waiting=max_waiting)
+    app = build_app(allm, model_name, max_waiting=max_waiting, admitted=admitted)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)    # as run.make_server
     server = _FrontEndServer(config)
     freeze_heap()
@@ -148,6 +149,10 @@ class FrontEnds:
         self.cores: list = []                 # engine core processes
         self.frontends: list = []             # (process, lifeline)
         ctx = multiprocessing.get_context("spawn")
+        # each front end's admitted streams, in shared memory: each admits against their sum
+        # (admission.py), so --max-waiting bounds the server, not each front end
+        self.admitted = ctx.RawArray("q", api_servers)
+        self._stopping, self._over, self.status = False, threading.Event(), None
         core_ends: list = []
 
         def release():       # the front ends hold their pipes and sockets alone: their exit closes them
@@ -166,7 +171,7 @@ class FrontEnds:
                 mine, theirs = ctx.Pipe()
                 process = ctx.Process(target=frontend_main, name=f"pagedlab-api{f}", daemon=True,
                                       args=(f, api_servers, [ends[f] for ends in core_ends], socks[f], theirs,
-                                            model_name, max_waiting, log_level))
+                                            model_name, max_waiting, self.admitted, log_level))
                 process.start()
                 theirs.close()
                 self.frontends.append((process, mine))
@@ -209,31 +214,47 @@ class FrontEnds:
         except BaseException:
             self.stop()
             raise
+        threading.Thread(target=self._watch, name="pagedlab-frontends-watch", daemon=True).start()
         return self
 
     def run(self) -> int:
-        """Until an engine core dies (then 1) or every front end has (1). Ctrl-C and SIGTERM are the
+        """Until an engine core dies or every front end has (then 1). Ctrl-C and SIGTERM are the
         caller's (KeyboardInterrupt, SystemExit); stop() follows in every case."""
+        while not self._over.wait(0.5):
+            pass
+        return self.status
+
+    def _watch(self) -> None:
+        """A thread, from ready to stop: a front end that dies has its admitted count cleared (its
+        streams died with it) and is reported; a core that dies, or the last front end, ends run()."""
         live = dict(enumerate(self.frontends))
-        while True:
+        while not self._stopping:
             cores = {p.sentinel: k for k, p in enumerate(self.cores)}
             fronts = {p.sentinel: f for f, (p, _) in live.items()}
-            for ready in wait([*cores, *fronts]):
+            for ready in wait([*cores, *fronts], 0.5):
+                if self._stopping:
+                    return
                 if ready in cores:
                     k = cores[ready]
                     print(f"pagedlab: engine core {k} died (exit code {self.cores[k].exitcode}); stopping "
                           "the server", file=sys.stderr, flush=True)
-                    return 1
+                    self.status = 1
+                    self._over.set()
+                    return
                 f = fronts[ready]
                 process, _ = live.pop(f)
+                self.admitted[f] = 0
                 print(f"pagedlab: front end {f} (pid {process.pid}) died (exit code {process.exitcode}); "
                       f"{len(live)} left", file=sys.stderr, flush=True)
                 if not live:
-                    return 1
+                    self.status = 1
+                    self._over.set()
+                    return
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Every front end stops (gracefully: open streams end), then every core (they leave once
         their front ends have); whatever does not within `timeout` is killed."""
+        self._stopping = True
         for _, lifeline in self.frontends:
             try:
                 lifeline.send(("stop",))
