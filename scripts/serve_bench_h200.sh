@@ -6,6 +6,8 @@
 # the other: engine core process (streamed, plus the same requests offline through LLM.generate),
 # engine core process (whole answers), engine thread (--engine-thread), and the server of the
 # commit before core processes (its package copied to .old/, if present).
+# Session 16: `api1 api4` -- the same burst three times through one front end and through four
+# (`serve --api-servers 4`), each command with its own offline passes: scripts/serve_bench_h200.sh api1 api4
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,8 +22,11 @@ run() { local name=$1; shift; echo "=== $name"; local t=$SECONDS
         timeout 420 python3 -m pagedlab bench serve "$@" --out "$OUT/$name"; echo "=== $name rc=$? in $((SECONDS - t)) s"
         rm -f "$OUT/$name"/*.png; }
 what=${*:-process whole thread before}
+API="--offline --offline-passes 3 --rate inf,inf,inf"
 for w in $what; do case $w in
 process) run process_stream --serve "$SERVE" --offline --rate 64,inf $W ;;
+api1)    run api1 --serve "$SERVE --api-servers 1" $API $W ;;
+api4)    run api4 --serve "$SERVE --api-servers 4" $API $W ;;
 whole)   run process_whole --serve "$SERVE" --no-stream --rate inf $W ;;
 thread)  run thread_stream --serve "$SERVE --engine-thread" --rate 64,inf $W ;;
 before)  if [ -d .old/pagedlab ]; then       # run from inside .old: `python -m` puts the cwd first
