@@ -320,9 +320,15 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
     if PAIRED:
         tl.store(mine + TILE + tile, acc_b)
     tl.store(mine + 2 * TILE + offs_m, sum_sq)
+    # Every thread's stores first, then the count: a program's atomic is issued by ONE of its
+    # threads, and its release covers that thread's writes only. Without the barrier the last
+    # program may add up partials other warps of another program have not written yet (stale
+    # values of an earlier launch: a flaky GPU failure, tests/test_gpu_spec.py in one process).
+    tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
     last = arrived == SPLITS - 1
     if last:
+        tl.debug_barrier()                              # (as attend's tail: all threads past the count)
         acc_a = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
