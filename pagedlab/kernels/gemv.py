@@ -430,7 +430,9 @@ def _linear_kernel(x_ptr, g_ptr, w_ptr, s_ptr, r_ptr, out_ptr, best_ptr, ws_ptr,
             # in best [2, M, row blocks] fp32; _argmax_merge_kernel picks the winner
             vals = tl.where(rmask[None, :], acc, float("-inf"))
             best = tl.max(vals, axis=1)
-            idx = tl.argmax(vals, axis=1) + tl.program_id(0) * BLOCK_R
+            # (min: where every logit is NaN the reduction may end on a masked lane past N;
+            # a token id outside the vocabulary would be an illegal address a step later)
+            idx = tl.minimum(tl.argmax(vals, axis=1) + tl.program_id(0) * BLOCK_R, N - 1)
             at = offs_m * tl.num_programs(0) + tl.program_id(0)
             tl.store(best_ptr + at, best, mask=offs_m < M)
             tl.store(best_ptr + M * tl.num_programs(0) + at, idx.to(tl.float32), mask=offs_m < M)
@@ -442,7 +444,7 @@ def _argmax_merge_kernel(best_ptr, tok_ptr, M, P, BLOCK_P: tl.constexpr, PDL: tl
     m = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     vals = tl.load(best_ptr + m * P + offs, mask=offs < P, other=float("-inf"))
-    win = tl.argmax(vals, axis=0)        # ties: the first block, whose index is the smaller
+    win = tl.minimum(tl.argmax(vals, axis=0), P - 1)   # ties: the first block (smaller index)
     idx = tl.load(best_ptr + M * P + m * P + win)
     tl.store(tok_ptr + m, idx.to(tl.int64))
 
