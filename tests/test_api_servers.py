@@ -309,6 +309,11 @@ def test_a_killed_front_end_leaves_the_other_serving_and_its_blocks_free(fronts,
     assert list(fronts.admitted) == [0, 0]
 
 
+def test_api_servers_serve_a_model_name_only(reference):
+    with pytest.raises(ValueError, match="model name"):
+        serve(reference, port=0, api_servers=2)         # an LLM of this process has one front end: this one
+
+
 def test_the_front_ends_admit_against_one_bound():
     """AdmissionGate with a shared array (what each front end gets): slots + max_waiting streams for
     the server, whichever front end admits them."""

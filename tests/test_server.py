@@ -548,7 +548,7 @@ def test_logprobs_in_both_shapes(server):
 @pytest.mark.parametrize("args,flag", [
     (["--port", "70000"], "--port"), (["--max-waiting", "-1"], "--max-waiting"), (["--slots", "0"], "--slots"),
     (["--device", "gpu"], "--device"), (["--dtype", "fp8"], "--dtype"), (["--model", " "], "--model"),
-    (["--host", ""], "--host"),
+    (["--host", ""], "--host"), (["--api-servers", "0"], "--api-servers"),
 ])
 def test_serve_flags_checked_before_loading(args, flag, monkeypatch, capsys):
     import pagedlab.__main__ as cli
