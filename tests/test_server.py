@@ -232,7 +232,7 @@ body = {"model": sys.argv[2], "prompt": list(range(3, 30)), "max_tokens": int(sy
 with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60) as r:
     for line in r.iter_lines():
         if line.startswith("data: {"):
-            print("streaming", flush=True)
+            print(line, flush=True)      # the first event: a token (or an error, said as it is)
             break
     import time
     time.sleep(600)
@@ -240,11 +240,12 @@ with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60
 ENDLESS_TOKENS = 100_000      # minutes of decoding: a request that cannot finish while a test looks at it
 
 
-def wait_for(condition, what: str, deadline_s: float = DEADLINE_S):
+def wait_for(condition, what: str, deadline_s: float = DEADLINE_S, state=None):
+    """Poll condition until true; fail after the deadline, saying what state() says then."""
     end = time.monotonic() + deadline_s
     while not condition():
         if time.monotonic() > end:
-            raise AssertionError(f"not true after {deadline_s} s: {what}")
+            raise AssertionError(f"not true after {deadline_s} s: {what}" + (f" ({state()})" if state else ""))
         time.sleep(0.01)
 
 
@@ -261,8 +262,12 @@ def test_server_survives_a_killed_client():
         proc = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.url, MODEL, str(ENDLESS_TOKENS)],
                                 stdout=subprocess.PIPE, text=True)
         try:
-            assert proc.stdout.readline().strip() == "streaming"
-            wait_for(lambda: engine_of(server).scheduler.allocator.num_used > 0, "the request holds KV blocks")
+            first = proc.stdout.readline().strip()
+            assert first.startswith("data: {") and '"choices"' in first and '"error"' not in first, first
+            eng = engine_of(server)
+            wait_for(lambda: eng.scheduler.allocator.num_used > 0, "the request holds KV blocks",
+                     state=lambda: f"has_work={eng.has_work()} admitted={len(eng.scheduler.admitted)} "
+                                   f"waiting={len(eng.scheduler.waiting)} first event {first!r}")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(DEADLINE_S)
         finally:
