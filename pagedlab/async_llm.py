@@ -41,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from .core_mailbox import request_ids
 from .core_process import CoreInfo, CoreProcess, core_info
 from .engine import SEED_BITS, check_request
 from .output_processor import OutputProcessor, RequestState
@@ -212,7 +213,7 @@ class AsyncLLM:
         self._stats = [dict(c.info.stats) for c in cores]
         self._load = [0] * len(cores)
         self._callers: dict[int, _Caller] = {}
-        self._next_id = frontend             # then + frontends: ids unique across the front ends
+        self._ids = request_ids(frontend, frontends)     # frontend, + frontends, ...: unique across front ends
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._output_s = 0.0                # time in _read: what the front end spends per step
@@ -273,7 +274,7 @@ class AsyncLLM:
         self._attach(asyncio.get_running_loop())
         if self._seeds is not None and params.seed is None:
             params = replace(params, seed=int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seeds)))
-        rid, self._next_id = self._next_id, self._next_id + self.frontends
+        rid = next(self._ids)
         k = min(range(len(self.cores)), key=lambda i: (not self.cores[i].is_alive(), self._load[i]))
         cost = len(ids) + params.max_new_tokens
         state = self.outputs.add(rid, ids, text, params, stream=stream)

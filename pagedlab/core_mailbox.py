@@ -20,11 +20,23 @@ front end touches only its own requests. The core leaves once every front end ha
 """
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
 
 from .output_processor import StepOutput
+
+
+def request_ids(frontend: int, frontends: int):
+    """The ids front end `frontend` of `frontends` gives its requests, in turn: frontend,
+    frontend + frontends, frontend + 2 frontends, ... (AsyncLLM.submit draws from it)."""
+    return itertools.count(frontend, frontends)
+
+
+def owner(request_id: int, frontends: int) -> int:
+    """The front end that numbered request `request_id` (the inverse of request_ids)."""
+    return request_id % frontends
 
 
 class Mailbox:
@@ -47,7 +59,7 @@ class Mailbox:
         return bool(self.live)
 
     def owner(self, request_id: int) -> int:
-        return request_id % self.n
+        return owner(request_id, self.n)
 
     # -- in ------------------------------------------------------------------------------------
     def wait(self, timeout: float) -> bool:
@@ -70,7 +82,7 @@ class Mailbox:
                     if msg[0] == "add":
                         core.add(msg[1])
                     elif msg[0] == "abort":
-                        core.abort(msg[1] if self.n == 1 else [r for r in msg[1] if r % self.n == f])
+                        core.abort(msg[1] if self.n == 1 else [r for r in msg[1] if owner(r, self.n) == f])
                     elif msg[0] == "stop":
                         self.leave(core, f)
                         break
@@ -82,7 +94,7 @@ class Mailbox:
         if f not in self.live:
             return
         self.live.remove(f)
-        core.abort([r for r in core.sent if r % self.n == f])
+        core.abort([r for r in core.sent if owner(r, self.n) == f])
         self._queues[f].put(None)
         try:
             self.inboxes[f].close()
@@ -128,9 +140,10 @@ def split(step: StepOutput, n: int) -> dict[int, StepOutput]:
     parts: dict[int, StepOutput] = {}
 
     def part(rid):
-        p = parts.get(rid % n)
+        f = owner(rid, n)
+        p = parts.get(f)
         if p is None:
-            p = parts[rid % n] = StepOutput(stats=step.stats)
+            p = parts[f] = StepOutput(stats=step.stats)
         return p
     for rid, ids in zip(step.request_ids, step.token_ids):
         p = part(rid)

@@ -90,3 +90,131 @@ def test_host_contention_table_is_read_from_the_committed_measurement():
         assert r["tokens_per_s"] == statistics.median(x["tok_s"] for x in passes)
         assert r["ttft_p99_ms"] == statistics.median(x["ttft_p99_ms"] for x in passes)
         assert r["decode_step_ms"] == statistics.median(x["decode_step_ms"] for x in passes)
+
+
+# -- several front ends (serve --api-servers N): the mailbox's two rules -------------------------
+
+def test_numbering_and_split_solutions_pass_and_are_the_servers_rules(capsys):
+    """The course's frontend_ids / owner / split_step pass, and the rules they are checked against are
+    the ones the server runs: AsyncLLM numbers with core_mailbox.request_ids, the mailbox cuts with split."""
+    import itertools
+
+    from pagedlab import core_mailbox
+    ids, own = course_serving.solution("frontend_ids"), course_serving.solution("owner")
+    assert course_serving.check_numbering(ids, own) == (ids, own)
+    split = course_serving.solution("split_step")
+    assert course_serving.check_split_step(split) is split
+    out = capsys.readouterr().out
+    assert "\u2713 frontend_ids and owner" in out and "\u2713 split_step" in out
+    assert list(itertools.islice(core_mailbox.request_ids(2, 3), 4)) == [2, 5, 8, 11]
+    assert [core_mailbox.owner(r, 3) for r in (2, 5, 8, 9, 10)] == [2, 2, 2, 0, 1]
+
+
+def test_numbering_stubs_say_not_written():
+    def stub(*a):
+        raise NotImplementedError("number")
+    with pytest.raises(CheckFailed, match="frontend_ids is not written yet"):
+        course_serving.check_numbering(stub, course_serving.solution("owner"))
+    with pytest.raises(CheckFailed, match="owner is not written yet"):
+        course_serving.check_numbering(course_serving.solution("frontend_ids"), stub)
+    with pytest.raises(CheckFailed, match="split_step is not written yet"):
+        course_serving.check_split_step(stub)
+
+
+@pytest.mark.parametrize("ids, own, words", [
+    (lambda f, n, c: [f + k for k in range(c)], None, "after f comes f + n"),
+    (lambda f, n, c: [f * n + k for k in range(1, c + 1)], None, "first id is f itself"),
+    (None, lambda rid, n: rid // n, "rid // n counts how many rounds"),
+    (None, lambda rid, n: rid % (n + 1), "owner(f + k * n, n) must be f"),
+])
+def test_wrong_numbering_fails_with_a_hint(ids, own, words):
+    ids = ids or course_serving.solution("frontend_ids")
+    own = own or course_serving.solution("owner")
+    with pytest.raises(CheckFailed) as e:
+        course_serving.check_numbering(ids, own)
+    assert words in str(e.value)
+
+
+def parts_for_all(rids, toks, n):             # an (empty) part for every front end: empty messages
+    parts = {f: ([], []) for f in range(n)}
+    for r, t in zip(rids, toks):
+        parts[r % n][0].append(r)
+        parts[r % n][1].append(t)
+    return parts
+
+
+def by_quotient(rids, toks, n):               # rid // n: the round, not the owner
+    parts = {}
+    for r, t in zip(rids, toks):
+        ids, cols = parts.setdefault(r // n, ([], []))
+        ids.append(r)
+        cols.append(t)
+    return parts
+
+
+def tokens_sorted(rids, toks, n):             # the ids right, the token column out of line with them
+    parts = {}
+    for r, t in zip(rids, sorted(toks)):
+        ids, cols = parts.setdefault(r % n, ([], []))
+        ids.append(r)
+        cols.append(t)
+    return parts
+
+
+def ids_sorted(rids, toks, n):                # each part's requests in id order, not the step's
+    parts = {}
+    for r, t in sorted(zip(rids, toks)):
+        ids, cols = parts.setdefault(r % n, ([], []))
+        ids.append(r)
+        cols.append(t)
+    return parts
+
+
+def drops_empty(rids, toks, n):               # a request that ended without a token is left out
+    parts = {}
+    for r, t in zip(rids, toks):
+        if t:
+            ids, cols = parts.setdefault(r % n, ([], []))
+            ids.append(r)
+            cols.append(t)
+    return parts
+
+
+def mutates(rids, toks, n):                   # right parts, but the step's lists emptied on the way
+    parts = {}
+    while rids:
+        r, t = rids.pop(0), toks.pop(0)
+        ids, cols = parts.setdefault(r % n, ([], []))
+        ids.append(r)
+        cols.append(t)
+    return parts
+
+
+@pytest.mark.parametrize("fn, words", [
+    (parts_for_all, "empty message"), (by_quotient, "(rid // n?)"), (tokens_sorted, "move them together"),
+    (ids_sorted, "the step's order"), (drops_empty, "a request with no new token"),
+    (mutates, "changed the step's lists"), (lambda r, t, n: [], "not a dict"),
+    (lambda r, t, n: {0: r} if r else {}, "not a pair"),
+])
+def test_wrong_splits_fail_with_a_hint(fn, words):
+    with pytest.raises(CheckFailed) as e:
+        course_serving.check_split_step(fn)
+    assert "case:" in str(e.value) and words in str(e.value)
+
+
+def test_first_answer_table_is_read_from_the_committed_measurement():
+    """Notebook 11's "several front ends" table: one row per burst (rate inf) of
+    docs/serve_s15_phases.json and serve_s15_decode_phases.json, with each file's offline TTFT."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    rows = course_serving.first_answer_table()
+    assert {r["file"] for r in rows} == {"serve_s15_phases.json", "serve_s15_decode_phases.json"}
+    for name in {r["file"] for r in rows}:
+        d = json.loads((docs / name).read_text())
+        bursts = [r for r in d["results"] if r["rate"] == "inf"]
+        mine = [r for r in rows if r["file"] == name]
+        assert [r["ttft_min_ms"] for r in mine] == [b["ttft_ms"]["min"] for b in bursts]
+        assert [r["client_procs"] for r in mine] == [b["client_procs"] for b in bursts]
+        assert all(r["offline_ttft_min_ms"] == d["offline"]["ttft_ms"]["min"] for r in mine)

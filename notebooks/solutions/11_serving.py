@@ -1,5 +1,5 @@
 # Solutions to notebook 11. Run from the notebook (uses SMALL, URL, NAME, SLOTS, CAPACITY, LOAD_REQUESTS, jobs,
-# fire, sse_events, read_metrics, CHAT_TOKENS, LLM, serve, httpx, asyncio, time).
+# fire, sse_events, split_step, read_metrics, CHAT_TOKENS, LLM, serve, httpx, asyncio, time).
 import random
 import threading
 
@@ -96,3 +96,32 @@ with httpx.stream("POST", URL + "/v1/chat/completions", json=req, timeout=120) a
 for i, text in sorted(texts.items()):
     print(f"choice {i}: {text!r}")
 assert sorted(texts) == [0, 1]
+
+
+# 5. How many front ends? Measure on the GPU host itself, the whole server against the same requests
+#    offline, in one run (so both see the same machine): bench serve --offline does both. For N = 1, 2,
+#    4 (docs/serving.md, session 16: scripts/serve_bench_h200.sh api1 api4 ...), several bursts each
+#    (one burst moves by ~10 %: compare medians), read per N:
+#      - the first answer of a burst (TTFT min) against offline's: what the lockstep costs;
+#      - TTFT p99 and tokens/s against offline's: the whole burst, not just its head;
+#      - the core's idle seconds per burst and its decode-only step time: more front ends take more
+#        of the host's CPUs, and the core's host loop slows when the host is busy (session 15).
+#    Stop at the N after which the first answer no longer comes closer to offline's, or the core's
+#    steps (tokens/s) start to lose: the front ends then cost the core more than they save the burst.
+#    Then a Poisson load near capacity too: a burst is the front end's worst case, not the usual one.
+print("exercise 5: measure N = 1, 2, 4 with bench serve --offline (see the comments in this cell)")
+
+
+# 6. What the core writes per step: one message per front end with requests in the step. The bytes
+#    are about the same in all (the same columns, cut up), the count of messages -- each a pickle and
+#    a pipe write on the core's side -- grows with N while requests are spread over the front ends.
+import pickle
+
+step_ids = list(range(256))
+step_toks = [[7] for _ in step_ids]
+for n in (1, 2, 4, 8):
+    for how, ids in (("spread evenly", step_ids), ("all of front end 0", [i * n for i in step_ids])):
+        parts = split_step(ids, step_toks, n)
+        size = sum(len(pickle.dumps(p)) for p in parts.values())
+        print(f"N = {n}, {how:18s}: {len(parts)} message(s), {size:,} bytes pickled")
+    assert len(split_step(step_ids, step_toks, n)) == n and len(split_step([i * n for i in step_ids], step_toks, n)) == 1

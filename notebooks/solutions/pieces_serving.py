@@ -1,5 +1,6 @@
-"""The solution to notebook 11's piece (checked by serving_course.check_sse_events).
-Read it with serving_course.show_solution("sse_events"); PAGEDLAB_SOLUTIONS=1 makes the check use it."""
+"""The solutions to notebook 11's pieces (checked by serving_course.check_sse_events, check_numbering
+and check_split_step). Read one with serving_course.show_solution("sse_events"); PAGEDLAB_SOLUTIONS=1
+makes the checks use them."""
 import json
 
 
@@ -21,3 +22,22 @@ def sse_events(byte_chunks):
                 value = line[5:]
                 data.append(value[1:] if value.startswith(" ") else value)
             # other lines: a comment (':'), or a field we do not use (event:, id:, retry:)
+
+
+def frontend_ids(f, n, count):
+    # front end f of n: f, f + n, f + 2n, ... -- every front end's ids apart from every other's
+    return [f + k * n for k in range(count)]
+
+
+def owner(rid, n):
+    # the remainder undoes the numbering: (f + k * n) % n == f
+    return rid % n
+
+
+def split_step(request_ids, token_ids, n):
+    parts = {}                    # only front ends with a request in the step get a part
+    for rid, toks in zip(request_ids, token_ids):
+        ids, cols = parts.setdefault(owner(rid, n), ([], []))
+        ids.append(rid)
+        cols.append(toks)
+    return parts

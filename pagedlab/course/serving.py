@@ -267,30 +267,36 @@ def gil_effect(model: str = "random:tiny", seconds: float = 1.0, **llm_kwargs) -
     return out
 
 
+def _box(ax, x, y, w, h, title, body, color, size=9):
+    """A rounded box with a bold title at its top and a body in its middle (the process drawings)."""
+    from matplotlib.patches import FancyBboxPatch
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.05", fc=color, ec="0.3"))
+    ax.text(x + w / 2, y + h - 0.3, title, ha="center", va="center", fontsize=size + 1, weight="bold")
+    if body:
+        ax.text(x + w / 2, y + (h - 0.3) / 2, body, ha="center", va="center", fontsize=size)
+
+
+def _arrow(ax, x0, y0, x1, y1, label="", size=8, style="->", ls="-"):
+    ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle=style, lw=1.4, ls=ls))
+    if label:
+        ax.text((x0 + x1) / 2, (y0 + y1) / 2 + 0.12, label, ha="center", va="bottom", fontsize=size)
+
+
 def draw_core_split():
     """The two processes of `python -m pagedlab serve` and what crosses between them per step."""
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyBboxPatch
     fig, ax = plt.subplots(figsize=(10, 3.4))
     ax.set(xlim=(0, 10), ylim=(0, 4))
     ax.axis("off")
-    boxes = [(0.2, "front end: the server's process",
-              "uvicorn's event loop:\nHTTP, JSON, check + tokenize\nOutputProcessor: detokenize,\n"
-              "stop strings, SSE chunks", "#dbe9f6"),
-             (6.3, "engine core: a process of its own",
-              "loop: schedule -> run -> accept\n(nothing else on its interpreter,\nits own GIL)\n"
-              "writer thread: step outputs out", "#fde3c8")]
-    for x, title, body, color in boxes:
-        ax.add_patch(FancyBboxPatch((x, 0.4), 3.5, 3.0, boxstyle="round,pad=0.05", fc=color, ec="0.3"))
-        ax.text(x + 1.75, 3.1, title, ha="center", va="center", fontsize=10, weight="bold")
-        ax.text(x + 1.75, 1.75, body, ha="center", va="center", fontsize=9)
-    arrows = [(2.75, "add: (id, token ids, params)  -- per request"),
-              (1.85, "abort: ids  -- a client left, a stop string"),
-              (0.95, "step: ids, new token ids, endings, stats  -- ONE per step")]
-    for i, (y, label) in enumerate(arrows):
-        x0, x1 = (3.75, 6.25) if i < 2 else (6.25, 3.75)
-        ax.annotate("", xy=(x1, y), xytext=(x0, y), arrowprops=dict(arrowstyle="->", lw=1.6))
-        ax.text(5.0, y + 0.18, label, ha="center", fontsize=8)
+    _box(ax, 0.2, 0.4, 3.5, 3.0, "front end: the server's process",
+         "uvicorn's event loop:\nHTTP, JSON, check + tokenize\nOutputProcessor: detokenize,\n"
+         "stop strings, SSE chunks", "#dbe9f6")
+    _box(ax, 6.3, 0.4, 3.5, 3.0, "engine core: a process of its own",
+         "loop: schedule -> run -> accept\n(nothing else on its interpreter,\nits own GIL)\n"
+         "writer thread: step outputs out", "#fde3c8")
+    _arrow(ax, 3.75, 2.75, 6.25, 2.75, "add: (id, token ids, params)  -- per request")
+    _arrow(ax, 3.75, 1.85, 6.25, 1.85, "abort: ids  -- a client left, a stop string")
+    _arrow(ax, 6.25, 0.95, 3.75, 0.95, "step: ids, new token ids, endings, stats  -- ONE per step")
     fig.tight_layout()
     return fig
 
@@ -361,3 +367,194 @@ def host_contention_table() -> list[dict]:
                              tokens_per_s=med("tok_s"), decode_step_ms=med("decode_step_ms"),
                              ttft_p99_ms=med("ttft_p99_ms")))
     return rows
+
+
+# -- several front ends in front of one core (serve --api-servers N) -------------------------------
+
+FIRST_ANSWER_RUNS = (("serve_s15_phases.json", "serve_s15_phases"),
+                     ("serve_s15_decode_phases.json", "serve_s15_decode_phases (py-spy on)"))
+
+
+def first_answer_table() -> list[dict]:
+    """The committed H200 measurement behind `serve --api-servers N` (docs/serving.md, session 15:
+    docs/serve_s15_phases.json and serve_s15_decode_phases.json): for each 512-request burst, when
+    its FIRST request got its first token (TTFT min), how many client processes sent it, its TTFT
+    p99; and the same requests offline (LLM.generate), once per file. One row per burst."""
+    from .data import load_json
+    rows = []
+    for name, label in FIRST_ANSWER_RUNS:
+        d = load_json(name)
+        if d is None:
+            continue
+        off = d["offline"]["ttft_ms"]
+        for i, r in enumerate(d["results"], 1):
+            if r["rate"] != "inf":                   # bursts only (the Poisson rate is not a burst)
+                continue
+            rows.append(dict(file=name, run=label, burst=i, client_procs=r.get("client_procs", 1),
+                             ttft_min_ms=r["ttft_ms"]["min"], ttft_p99_ms=r["ttft_ms"]["p99"],
+                             offline_ttft_min_ms=off["min"], offline_ttft_p99_ms=off["p99"]))
+    return rows
+
+
+def draw_frontends(n: int = 3):
+    """`python -m pagedlab serve --api-servers n`: the parent, n front ends on one port, one engine
+    core, and what crosses each front end's pipes: adds and aborts in, one step message out (only
+    to a front end with requests in that step)."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 1.25 * n))
+    top = 1.25 * n + 0.2
+    ax.set(xlim=(0, 11), ylim=(-0.4, top + 1.2))
+    ax.axis("off")
+    _box(ax, 0.6, top + 0.25, 4.4, 0.85, "parent (python -m pagedlab serve)", "", "#eeeeee")
+    ax.text(2.8, top + 0.35, "starts, watches, stops -- serves nothing", ha="center", fontsize=8)
+    core_h = 1.25 * n - 0.35
+    _box(ax, 7.6, 0.1, 3.2, core_h, "engine core", "its mailbox: an inbox, an outbox\nand a writer thread "
+         "per front end;\ntakes every inbox between\ntwo steps; cuts each step\nby owner: id % N", "#fde3c8")
+    ax.plot([1.0, 1.0], [top + 0.2, 0.85], ls=":", c="0.3", lw=1.2)            # the parent's lifelines
+    ax.plot([5.0, 9.2, 9.2], [top + 0.6, top + 0.6, core_h + 0.2], ls=":", c="0.3", lw=1.2)
+    for f in range(n):
+        y = 0.1 + 1.25 * (n - 1 - f)
+        _box(ax, 1.3, y, 2.6, 0.9, f"front end {f}", f"ids {f}, {f + n}, {f + 2 * n}, ...", "#dbe9f6", size=8)
+        ax.plot([1.0, 1.25], [y + 0.75, y + 0.75], ls=":", c="0.3", lw=1.2)
+        _arrow(ax, 0.1, y + 0.3, 1.25, y + 0.3)                         # connections, from the port
+        _arrow(ax, 3.95, y + 0.62, 7.55, y + 0.62, "add / abort: its own ids", size=7)
+        _arrow(ax, 7.55, y + 0.22, 3.95, y + 0.22, "step: its requests' columns, ONE message", size=7)
+    ax.text(0.05, -0.05, "one port (SO_REUSEPORT): the kernel spreads the connections", ha="left", va="top",
+            fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _pairs(parts, what):
+    """The learner's {front end: (ids, token lists)}, as plain lists; a wrong shape -> CheckFailed."""
+    if not isinstance(parts, dict):
+        raise CheckFailed(f"split_step returned a {type(parts).__name__}, not a dict.\n  case: {what}\n"
+                          "Hint: return {front end: (its request ids, their token id lists)}.")
+    out = {}
+    for f, part in parts.items():
+        try:
+            ids, toks = part
+            out[f] = (list(ids), [list(t) for t in toks])
+        except (TypeError, ValueError):
+            raise CheckFailed(f"split_step's part for front end {f!r} is {_short(part, 120)}, not a pair.\n"
+                              f"  case: {what}\nHint: each part is (request ids, token id lists): two lists "
+                              "of the same length, the step's two columns cut down to that front end's "
+                              "requests.") from None
+    return out
+
+
+def check_numbering(frontend_ids, owner):
+    """frontend_ids(f, n, count) -> the first `count` request ids front end f of n gives out;
+    owner(rid, n) -> the front end that numbered request rid. Checked against the rules the server
+    runs (pagedlab.core_mailbox.request_ids and owner): every front end f < n for n up to 7, and
+    owner on those ids and on random large ones. Returns the two functions that passed."""
+    import itertools
+
+    from .. import core_mailbox
+    frontend_ids, owner = chapter.pick(frontend_ids, "frontend_ids"), chapter.pick(owner, "owner")
+    rng = random.Random(0)
+    for n in (2, 3, 1, 4, 7):
+        for f in range(n):
+            for count in (0, 1, 5, 13):
+                want = list(itertools.islice(core_mailbox.request_ids(f, n), count))
+                got = chapter.call(frontend_ids, "frontend_ids", f, n, count)
+                got = list(got) if not isinstance(got, (int, str)) else got
+                if got == want:
+                    continue
+                if isinstance(got, list) and got[:1] == [f] and len(got) > 1 and got[1] == f + 1:
+                    hint = (f"after f comes f + n, not f + 1: with ids f, f + 1, ... front end 0's second "
+                            f"request and front end 1's first would both be 1")
+                elif isinstance(got, list) and got[:1] and got[0] != f:
+                    hint = "front end f's first id is f itself (front end 0 starts at 0, front end 1 at 1, ...)"
+                else:
+                    hint = ("front end f of n gives f, f + n, f + 2n, ...: the n front ends' ids interleave "
+                            "and never meet, however many requests each has sent")
+                raise CheckFailed(f"frontend_ids({f}, {n}, {count}) gave {_short(got, 200)}\n  expected: {want}\n"
+                                  f"Hint: {hint}")
+    for n in (2, 3, 4, 7, 16, 1):
+        rids = [r for f in range(n) for r in itertools.islice(core_mailbox.request_ids(f, n), 20)]
+        rids += [rng.randrange(2 ** 40) for _ in range(50)]
+        for rid in rids:
+            want = core_mailbox.owner(rid, n)
+            got = chapter.call(owner, "owner", rid, n)
+            if got == want:
+                continue
+            if got == rid // n:
+                hint = (f"rid // n counts how many rounds of n ids came before rid, not whose it is: the owner is "
+                        f"the remainder, rid % n (front end f's ids are f + k n, and (f + k n) % n == f)")
+            else:
+                hint = "owner undoes the numbering: owner(f + k * n, n) must be f for every k"
+            raise CheckFailed(f"owner({rid}, {n}) gave {got!r}, expected {want}: request {rid} was numbered by "
+                              f"front end {want} of {n}.\nHint: {hint}")
+    chapter.passed("frontend_ids and owner", "every front end of 1 to 7, ids as the server numbers them; "
+                   "owner gives each id back to the front end that numbered it")
+    return frontend_ids, owner
+
+
+def _step_cases(rng):
+    """(what, n, request ids, token id lists) of steps the core could hand out."""
+    def step(n, owners, k):
+        rids = rng.sample([f + j * n for f in owners for j in range(40)], k)
+        toks = [[rng.randrange(32000) for _ in range(rng.choice([1, 1, 1, 2, 4]))] for _ in rids]
+        if toks and rng.random() < 0.5:            # a request that ended without a new token (aborted)
+            toks[rng.randrange(len(toks))] = []
+        return rids, toks
+    yield ("an empty step (nothing ran)", 3, [], [])
+    yield ("only front end 2's requests, n = 4", 4, *step(4, [2], 6))
+    yield ("one front end (n = 1)", 1, *step(1, [0], 9))
+    yield ("one request, n = 5", 5, *step(5, [3], 1))
+    yield ("more front ends than requests, n = 8", 8, *step(8, range(8), 3))
+    for trial in range(40):
+        n = rng.randint(2, 6)
+        owners = rng.sample(range(n), rng.randint(1, n))
+        yield (f"random step {trial}: n = {n}, requests of front ends {sorted(owners)}", n,
+               *step(n, owners, rng.randint(1, 24)))
+
+
+def check_split_step(split_step):
+    """split_step(request_ids, token_ids, n) -> {front end: (its request ids, their token id lists)}:
+    one step's columns cut by owner (request id % n), in the step's order, and a part ONLY for a front
+    end with a request in the step. Checked against the core's own (pagedlab.core_mailbox.split) on
+    empty steps, n = 1, one front end's requests only, and random steps. Returns the function that passed."""
+    from .. import core_mailbox
+    from ..output_processor import StepOutput
+    name = "split_step"
+    fn = chapter.pick(split_step, name)
+    count = 0
+    for what, n, rids, toks in _step_cases(random.Random(1)):
+        ref = core_mailbox.split(StepOutput(request_ids=list(rids), token_ids=[list(t) for t in toks]), n)
+        want = {f: (p.request_ids, p.token_ids) for f, p in ref.items()}
+        args = (list(rids), [list(t) for t in toks])
+        got = _pairs(chapter.call(fn, name, *args, n), what)
+        if args != (rids, toks):
+            raise CheckFailed(f"{name} changed the step's lists it was given.\n  case: {what}\n"
+                              "Hint: build new lists for the parts; the step's columns are the core's.")
+        if got == want:
+            count += 1
+            continue
+        case = (f"\n  case: {what}\n  request_ids: {_short(rids, 200)}\n  token_ids: {_short(toks, 200)}\n"
+                f"  expected: {_short(want, 300)}\n  got:      {_short(got, 300)}\n")
+        empty = [f for f in got if f not in want and not got[f][0]]
+        astray = [(rid, f) for f, (ids, _) in got.items() for rid in ids if rid % n != f]
+        if empty:
+            hint = (f"front end {empty[0]} has no request in this step, yet it got a part: the core would "
+                    "send it an empty message every step (N pickles and pipe writes a step, for nothing). "
+                    "Make a part only for a front end that owns a request of the step.")
+        elif astray:
+            rid, f = astray[0]
+            how = " (rid // n?)" if rid // n == f else ""
+            hint = (f"request {rid} is in front end {f}'s part{how}: its owner is {rid} % {n} = {rid % n}, the "
+                    "front end that numbered it.")
+        elif sorted(got) == sorted(want) and all(sorted(got[f][0]) == sorted(want[f][0]) for f in want):
+            if all(got[f][0] == want[f][0] for f in want):
+                hint = ("the ids are right, their tokens are not: token_ids[i] are request_ids[i]'s tokens; "
+                        "move them together (zip the columns), and keep an empty list as it is.")
+            else:
+                hint = "keep the step's order within each part (the front end applies the tokens as they come)."
+        else:
+            hint = ("every request of the step goes to exactly one part, its owner's (request id % n); "
+                    "a request with no new token (it ended) is a request too.")
+        raise CheckFailed(f"{name} cut the step differently from the core.{case}Hint: {hint}")
+    chapter.passed(name, f"{count} steps cut exactly as the core cuts them (core_mailbox.split): empty steps, n = 1, "
+                   "one front end's requests only, random steps; no part for a front end without requests")
+    return fn
