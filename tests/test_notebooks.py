@@ -144,7 +144,7 @@ def test_hands_on_notebooks():
     loop and the prompt queue's door, 02 the safetensors header parse and the bf16 bit shift, 03
     RMSNorm, RoPE, GQA attention and one decoder layer, 04 two Triton kernels, 05 the decode loop, 06
     the decode kernel's loop, 07 the allocator, 08 the scheduler step, 09 the engine step, 10
-    preemption, 11 the stream parser, 12 the prefix cache, 13 the sharded layers, 14 FP8, 15 the
+    preemption, 11 the stream parser and the core mailbox's two rules, 12 the prefix cache, 13 the sharded layers, 14 FP8, 15 the
     n-gram proposer and the accept rule."""
     assert {p.stem[:2] for p in STUB_NOTEBOOKS} >= {f"{i:02d}" for i in range(0, 16)}
 

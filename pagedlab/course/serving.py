@@ -1,6 +1,9 @@
-"""Notebook 11's hands-on piece and its check: reading a server-sent event stream.
+"""Notebook 11's hands-on pieces and their checks: reading a server-sent event stream, and the two
+rules by which several front ends share one engine core (`serve --api-servers N`, core_mailbox.py).
 
     sse_events = serving_course.check_sse_events(sse_events)
+    frontend_ids, owner = serving_course.check_numbering(frontend_ids, owner)
+    split_step = serving_course.check_split_step(split_step)
 
 `check_sse_events` builds streams the way pagedlab's server writes them (pagedlab.server.responses:
 `chunk`, `sse`, `usage_chunk`, `SSE_DONE`), cuts their bytes into network chunks at random places
@@ -11,8 +14,17 @@ and checks that the learner's parser gives back exactly the JSON objects that we
 the whole body first). A mistake raises `CheckFailed` (pagedlab.checks) naming the input, what was
 expected and what came back, with a hint.
 
-The solution lives with the notebooks, in notebooks/solutions/pieces_serving.py; with
-PAGEDLAB_SOLUTIONS=1 the check runs it instead of the learner's function.
+`check_numbering` and `check_split_step` compare the learner's request numbering (front end f of N:
+f, f + N, ...), owner rule (id % N) and cut of a step's columns by owner with the server's own
+(core_mailbox.request_ids, owner, split) on every front end of up to 7, empty steps, N = 1, one
+front end's requests only and random steps; a wrong one fails naming the case, with a hint.
+
+Besides: the engine core on a thread or in a process (gil_effect), the drawings of the processes
+(draw_core_split, draw_frontends), and the committed H200 measurements the notebook prints
+(served_table, host_contention_table, admit_group_table, first_answer_table).
+
+The solutions live with the notebooks, in notebooks/solutions/pieces_serving.py; with
+PAGEDLAB_SOLUTIONS=1 the checks run them instead of the learner's functions.
 """
 from __future__ import annotations
 
