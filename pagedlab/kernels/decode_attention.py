@@ -256,10 +256,8 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
             tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
             tl.store(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=gmask[:, None])
             counter = cnt_ptr + b * HKV + kvh
-            tl.debug_barrier()          # every thread's partials written before the count (gemv.py)
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")     # (a barrier before it: gemv.py)
             if arrived == used - 1:
-                tl.debug_barrier()
                 # M = max_s m_s, w_s = 2^(m_s - M), out = sum_s w_s acc_s / sum_s w_s l_s.
                 # MERGE_CH splits at a time, as [GM heads, MERGE_CH splits, D] tiles: one load
                 # latency per chunk instead of one per split.

@@ -320,15 +320,12 @@ def _gather_splits(acc_a, acc_b, sum_sq, ws_ptr, cnt_ptr, PAIRED: tl.constexpr,
     if PAIRED:
         tl.store(mine + TILE + tile, acc_b)
     tl.store(mine + 2 * TILE + offs_m, sum_sq)
-    # Every thread's stores first, then the count: a program's atomic is issued by ONE of its
-    # threads, and its release covers that thread's writes only. Without the barrier the last
-    # program may add up partials other warps of another program have not written yet (stale
-    # values of an earlier launch: a flaky GPU failure, tests/test_gpu_spec.py in one process).
-    tl.debug_barrier()
+    # (A scalar atomic is issued by one thread; Triton puts a CTA barrier before it -- bar.sync in
+    # the PTX for sm75 and sm90 with Triton 3.6 and 3.9 -- so every warp's partials are written
+    # before the count releases them. tests/test_kernel_ptx.py)
     arrived = tl.atomic_add(cnt_ptr + block, 1, sem="acq_rel")
     last = arrived == SPLITS - 1
     if last:
-        tl.debug_barrier()                              # (as attend's tail: all threads past the count)
         acc_a = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
