@@ -487,7 +487,9 @@ def test_attention_in_qkv_launch(config, dtype, fp8, shape):
 def test_greedy_tokens_stay_in_the_vocabulary_on_nan_logits(config):
     """A row whose logits are all NaN (what garbage in the residual stream gives) still yields a
     token id inside the vocabulary: the next step gathers its embedding by that id, and one
-    outside is an illegal address that ends the process (a flaky GPU failure of session 16 ended so)."""
+    outside is an illegal address that ends the process. (Triton's argmax keeps the right operand
+    when a comparison with NaN is false, so the reduction could end on a masked lane past the
+    vocabulary; docs/kernels.md, session 16.)"""
     dtype = DTYPES[0]
     gen = torch.Generator().manual_seed(9)
     hidden, vocab = SHAPES[-1][0], SHAPES[-1][5]
