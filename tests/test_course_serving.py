@@ -218,3 +218,26 @@ def test_first_answer_table_is_read_from_the_committed_measurement():
         assert [r["ttft_min_ms"] for r in mine] == [b["ttft_ms"]["min"] for b in bursts]
         assert [r["client_procs"] for r in mine] == [b["client_procs"] for b in bursts]
         assert all(r["offline_ttft_min_ms"] == d["offline"]["ttft_ms"]["min"] for r in mine)
+
+
+def test_front_ends_table_is_read_from_the_committed_measurement():
+    """Notebook 11's measured answer to `--api-servers`: one row per burst of docs/serve_s17_api*.json,
+    the front ends read from each file's serve command, the numbers the file's own."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    rows = course_serving.front_ends_table()
+    assert {r["file"] for r in rows} == set(course_serving.FRONT_END_RUNS)
+    for name in course_serving.FRONT_END_RUNS:
+        d = json.loads((docs / name).read_text())
+        mine = [r for r in rows if r["file"] == name]
+        want_n = 4 if name.startswith("serve_s17_api4") else 1
+        want_clients = 4 if name.endswith("c4.json") else 1
+        assert [r["front_ends"] for r in mine] == [want_n] * len(d["results"])
+        assert [r["client_procs"] for r in mine] == [want_clients] * len(d["results"])
+        assert [r["tokens_per_s"] for r in mine] == [b["output_throughput"] for b in d["results"]]
+        assert [r["ttft_p99_ms"] for r in mine] == [b["ttft_ms"]["p99"] for b in d["results"]]
+        for r in mine:       # served/offline as the file computed it, against its own offline passes
+            assert r["offline_ttft_p99_ms"] == d["offline"]["ttft_p99_ms_median"]
+            assert abs(r["served_over_offline"] - r["tokens_per_s"] / r["offline_tokens_per_s"]) < 1e-6

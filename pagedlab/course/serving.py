@@ -408,6 +408,35 @@ def first_answer_table() -> list[dict]:
     return rows
 
 
+# Session 17's H200 runs of `serve --api-servers N` (scripts/serve_bench_h200.sh api1 api4 api1c4
+# api4c4; docs/serving.md, session 17): one front end and four, each burst from 1 or 4 client processes.
+FRONT_END_RUNS = ("serve_s17_api1.json", "serve_s17_api4.json", "serve_s17_api1c4.json", "serve_s17_api4c4.json")
+
+
+def front_ends_table() -> list[dict]:
+    """The committed H200 measurement of `serve --api-servers N` (docs/serve_s17_api*.json): one row
+    per 512-request burst -- front ends, client processes, output tokens/s and served/offline, the
+    first answer (TTFT min) and TTFT p99 -- with the same command's offline passes (LLM.generate on
+    the same requests: their median tokens/s, the first answer, the median of their TTFT p99)."""
+    import re
+    from .data import load_json
+    rows = []
+    for name in FRONT_END_RUNS:
+        d = load_json(name)
+        if d is None:
+            continue
+        m = re.search(r"--api-servers\s+(\d+)", d["config"].get("serve") or "")
+        off = d["offline"]
+        for i, r in enumerate(d["results"], 1):
+            rows.append(dict(file=name, front_ends=int(m.group(1)) if m else 1, burst=i,
+                             client_procs=r.get("client_procs", 1), tokens_per_s=r["output_throughput"],
+                             served_over_offline=r["served_over_offline"], ttft_min_ms=r["ttft_ms"]["min"],
+                             ttft_p99_ms=r["ttft_ms"]["p99"], offline_tokens_per_s=off["output_throughput"],
+                             offline_ttft_min_ms=off["ttft_ms"]["min"],
+                             offline_ttft_p99_ms=off["ttft_p99_ms_median"]))
+    return rows
+
+
 def draw_frontends(n: int = 3):
     """`python -m pagedlab serve --api-servers n`: the parent, n front ends on one port, one engine
     core, and what crosses each front end's pipes: adds and aborts in, one step message out (only
