@@ -114,12 +114,13 @@ def run_stream(llm, prompts, params, seed, abort_at=()):
 
 
 @pytest.mark.parametrize("variant", ["preempt+prefix", "graphs-eager+chunked", "overlap+adaptive", "overlap+shadow",
-                                     "overlap+default"])
+                                     "overlap+switching"])
 def test_greedy_identity_on_random_streams(variant, monkeypatch):
     """overlap+adaptive: the overlap loop runs a step ahead wherever nobody guesses (requests the
     adaptive k paused), and reads the step in flight first where someone will. overlap+shadow: the
-    same with the lookups' replay deciding who guesses (spec/shadow.py); overlap+default: the replay
-    where one sequence decodes, the gate's probes where more do (arrivals switch between them)."""
+    same with the lookups' replay deciding who guesses (spec/shadow.py); overlap+switching: the replay
+    where one sequence decodes, the gate's probes where more do (arrivals switch between them; the
+    default switches the same way at Speculator.SHADOW_MAX_BATCH = 16 sequences)."""
     rnd = random.Random(len(variant))
     prompts = copy_prompts(rnd, 10)
     prompts += [prompts[0] + prompts[1][:5], prompts[2][:20]]        # shared prefixes (prefix caching)
@@ -145,18 +146,18 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
     sc = NGRAM
     if variant.startswith("overlap+"):      # fixed costs (not timed: the same pauses each run): a verify step
         from pagedlab.spec.speculator import Speculator          # 2.5 plain ones per request, 1.2 the batch's
-        monkeypatch.setattr(Speculator, "cost", property(lambda self: 1.0 if variant == "overlap+default" else 2.5))
+        monkeypatch.setattr(Speculator, "cost", property(lambda self: 1.0 if variant == "overlap+switching" else 2.5))
         monkeypatch.setattr(Speculator, "batch_cost", lambda self, b: 1.2 if variant == "overlap+adaptive" else 1.0)
-        if variant != "overlap+default":
+        if variant != "overlap+switching":
             monkeypatch.setattr(Speculator, "SHADOW", variant == "overlap+shadow")
-            monkeypatch.setattr(Speculator, "SHADOW_MAX_BATCH", 1 << 30)
+        monkeypatch.setattr(Speculator, "SHADOW_MAX_BATCH", 1 if variant == "overlap+switching" else 1 << 30)
         sc = dict(NGRAM, adaptive=True)
     spec = tiny_llm(speculative_config=sc, **kw)
-    if variant in ("overlap+shadow", "overlap+default"):    # the gate open whenever a request's replayed lookups pay,
+    if variant in ("overlap+shadow", "overlap+switching"):    # the gate open whenever a request's replayed lookups pay,
         spec.engine.speculator.gate.open_margin = 0.0           # and a low bar for each: verify steps
         spec.engine.speculator.row_gain = 1.2                   # and steps run ahead both
     regimes = []
-    if variant == "overlap+default":
+    if variant == "overlap+switching":
         s, plan = spec.engine.speculator, spec.engine.speculator.plan
 
         def watched(sched, step):
@@ -177,7 +178,7 @@ def test_greedy_identity_on_random_streams(variant, monkeypatch):
     if variant.startswith("overlap+"):
         assert spec.engine.overlap and spec.engine.num_overlapped >= 5, spec.engine.num_overlapped
         assert (s.shadow is not None) == (variant != "overlap+adaptive")
-    if variant == "overlap+default":            # both rules ran (the stream ends with one sequence)
+    if variant == "overlap+switching":          # both rules ran (the stream ends with one sequence)
         assert True in regimes and False in regimes, regimes
 
 

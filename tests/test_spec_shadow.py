@@ -209,7 +209,8 @@ def test_off_and_other_proposers_keep_the_old_rule():
     from pagedlab.spec.ngram import NgramProposer
     s = Speculator(proposer=NgramProposer(3), k_max=4)
     assert s.shadow is not None and (s.shadow.k, s.shadow.n_max) == (4, 3)
-    assert s.shadow_rules(1) is s.shadow and s.shadow_rules(2) is None    # one sequence only, by default
+    b = Speculator.SHADOW_MAX_BATCH           # up to 16 decoding sequences by default
+    assert s.shadow_rules(1) is s.shadow and s.shadow_rules(b) is s.shadow and s.shadow_rules(b + 1) is None
     s.shadow_on = False
     assert s.shadow is None and s.shadow_rules(1) is None
     s.shadow_on = True
