@@ -236,6 +236,7 @@ class AsyncLLM:
                 if k != "t":
                     total[k] = total.get(k, 0) + v
         total["frontend_output_s"] = self._output_s
+        total["frontend_cpu_s"] = time.process_time()     # this front-end process's CPU, all its threads
         if "prefix_queries" in total:
             total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         return total

@@ -74,6 +74,9 @@ def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
         host = r["host_ms_per_step"]
         assert set(host) == {"schedule", "launch", "read", "accept"} and min(host.values()) >= 0
         assert host["launch"] > 0 and sum(host.values()) <= r["engine_step_ms"] * (1 + 1e-9), (host, r)
+        # the front end's CPU over the run (its process: here this one), printed per request
+        cpu = r["seconds"]["frontend_cpu_seconds"]
+        assert 0 < cpu and f"{1e3 * cpu / 7:.2f} ms per request" in out
     # the server counted what the client counted (+ the warm-up request)
     assert generated_tokens(server) - tokens_before == 2 * want_tokens + jobs[0].output_len
     assert "inf" in out and "goodput" in out

@@ -440,6 +440,9 @@ def test_metrics_parse_and_move(server):
     assert moved(before, after, "pagedlab_time_to_first_token_seconds_count") == 1
     assert moved(before, after, "pagedlab_inter_token_latency_seconds_count") == m - 1
     assert moved(before, after, "pagedlab_time_to_first_token_seconds_sum") > 0
+    # the front end's own CPU (what `bench serve` divides by the requests): this process's, moving
+    cpu = moved(before, after, "pagedlab_frontend_cpu_seconds")
+    assert 0 < cpu and after[("pagedlab_frontend_cpu_seconds", ())] <= time.process_time()
 
 
 def test_many_histogram_equals_prometheus_histogram():

@@ -299,7 +299,7 @@ def engine_counters(url: str) -> dict | None:
     vals = {}
     names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
              "engine_prompt_step_seconds", *HOST_PHASES, *HOST_DECODE_PHASES, "core_idle_seconds",
-             "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds")
+             "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds", "frontend_cpu_seconds")
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name.startswith("pagedlab_") and name[9:] in names:
@@ -323,6 +323,16 @@ def engine_step(before: dict | None, after: dict | None) -> dict:
                          kinds.get("decode_steps"),
                          {k: d[f"engine_host_decode_{k}_seconds"] for k in PHASES if f"engine_host_decode_{k}_seconds" in d})
     return out | kinds | host
+
+
+def frontend_cpu_text(r: dict) -> str:
+    """The front-end process's CPU over the run, per request (pagedlab: /metrics'
+    pagedlab_frontend_cpu_seconds, of the front end that answered the scrape -- with several
+    front ends, one of them)."""
+    cpu = (r.get("seconds") or {}).get("frontend_cpu_seconds")
+    if cpu is None or not r.get("completed"):
+        return ""
+    return f"; the front end's CPU {cpu:.2f} s, {1e3 * cpu / r['completed']:.2f} ms per request"
 
 
 def kinds_text(r: dict) -> str:
@@ -667,7 +677,8 @@ def main(argv=None) -> int:
         if r.get("seconds"):
             print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
                   + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()
-                              if k != "engine_prompt_step_seconds") + kinds_text(r))
+                              if k not in ("engine_prompt_step_seconds", "frontend_cpu_seconds"))
+                  + kinds_text(r) + frontend_cpu_text(r))
     if offline:
         print("offline median pass:" + kinds_text(offline))
         # the first token of a burst: offline the queue holds every request at once; served, the

@@ -117,7 +117,9 @@ class ServerMetrics:
                 ("pagedlab_core_inbox_seconds", "core_inbox_s", "seconds the cores took in requests and aborts"),
                 ("pagedlab_core_handout_seconds", "core_handout_s", "seconds the cores spent handing out steps"),
                 ("pagedlab_frontend_output_seconds", "frontend_output_s",
-                 "seconds the front end spent on the cores' step outputs (detokenizing is the callers')")):
+                 "seconds the front end spent on the cores' step outputs (detokenizing is the callers')"),
+                ("pagedlab_frontend_cpu_seconds", "frontend_cpu_s",
+                 "CPU seconds (user + system, all threads) of the front-end process that answered this scrape")):
             Gauge(name, doc, registry=reg).set_function(lambda key=key: stats().get(key, 0))
         if "prefix_queries" in stats():          # only an allocator with a prefix cache has them
             for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
