@@ -45,7 +45,7 @@ import uvicorn
 
 from ..async_llm import AsyncLLM, core_specs
 from ..core_process import READY_TIMEOUT_S, CoreLink, freeze_heap, start_core
-from .app import build_app
+from .app import build_app, uvicorn_config
 
 STOP_TIMEOUT_S = 15.0           # a front end's graceful stop (uvicorn's 5 s) and its engine links
 
@@ -101,7 +101,7 @@ def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str,
     allm.on_core_death = lambda k, why: print(f"pagedlab: front end {index}: engine core {k} died ({why})",
                                               file=sys.stderr, flush=True)
     app = build_app(allm, model_name, max_waiting=max_waiting, admitted=admitted)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)    # as run.make_server
+    config = uvicorn_config(app, log_level)                # as run.make_server
     server = _FrontEndServer(config)
     freeze_heap()
 

@@ -26,7 +26,7 @@ import uvicorn
 
 from ..async_llm import AsyncLLM
 from ..core_process import freeze_heap
-from .app import DEFAULT_MAX_WAITING, build_app
+from .app import DEFAULT_MAX_WAITING, build_app, uvicorn_config
 from .frontends import FrontEnds
 
 START_TIMEOUT_S = 60.0
@@ -83,8 +83,7 @@ def _exit_on_sigterm(signum, frame):
 
 def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
     app = build_app(async_llm, model_name, max_waiting=max_waiting)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
-    return uvicorn.Server(config), app
+    return uvicorn.Server(uvicorn_config(app, log_level, host=host, port=port)), app
 
 
 def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
