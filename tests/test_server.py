@@ -359,6 +359,38 @@ def test_random_junk_never_500(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_bug_in_a_generation_route_is_that_requests_500(server, reference, monkeypatch, caplog):
+    """An unexpected exception inside /v1/completions or /v1/chat/completions (ServingApp's direct
+    path, FastAPI's layers skipped): a 500 in OpenAI's shape, the traceback logged, and a stream
+    running meanwhile still gets exactly its tokens."""
+    prompt = [9, 8, 7, 6]
+    want = reference.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=DEADLINE_S,
+                      json=dict(model=MODEL, prompt=prompt, max_tokens=24, stream=True, ignore_eos=True,
+                                temperature=0)) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))     # running now
+        check = server.async_llm.check_request
+
+        def broken(*a, **k):
+            raise RuntimeError("a bug")
+        monkeypatch.setattr(server.async_llm, "check_request", broken)
+        for path, body in (("/v1/completions", dict(model=MODEL, prompt=[5, 6], max_tokens=2)),
+                           ("/v1/chat/completions", dict(CHAT, max_tokens=2))):
+            with caplog.at_level("ERROR", logger="uvicorn.error"):
+                bad = httpx.post(server.url + path, json=body, timeout=DEADLINE_S)
+            assert bad.status_code == 500 and bad.json()["error"]["type"] == "server_error", bad.text
+            assert "RuntimeError: a bug" in bad.json()["error"]["message"]
+            assert any(rec.exc_info and "a bug" in str(rec.exc_info[1]) for rec in caplog.records)
+            caplog.clear()
+        monkeypatch.setattr(server.async_llm, "check_request", check)
+        rest = [first] + [line for line in lines if line.startswith("data: ")]
+    text = "".join(json.loads(x[6:])["choices"][0]["text"] for x in rest if x != "data: [DONE]" and
+                   json.loads(x[6:])["choices"])
+    assert ids_of(text) == want
+    wait_idle(server)
+
+
 # -- a full queue --------------------------------------------------------------------------------
 
 def test_full_queue_gets_503_with_retry_after():

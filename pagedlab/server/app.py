@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 
@@ -185,6 +186,36 @@ async def until_disconnect(request: Request, work):
 
 # -- the app -------------------------------------------------------------------------------------
 
+class ServingApp(FastAPI):
+    """The FastAPI app, with its two generation routes (POST /v1/completions, /v1/chat/completions)
+    taken straight to their handlers: a burst's hundreds of requests, and each streamed chunk's
+    send, skip FastAPI's and Starlette's layers (error, exception, body-limit and exit-stack
+    middleware, routing, dependency solving; ~18 % of the front end's CPU under a burst by py-spy,
+    docs/serving.md session 17). Same handlers, same errors (hot_errors: the app's own handlers);
+    every other path, method and scope (lifespan) goes through FastAPI as before."""
+
+    hot_routes: dict = {}
+    hot_errors: tuple = ()
+
+    async def __call__(self, scope, receive, send):
+        handler = self.hot_routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if handler is None:
+            return await super().__call__(scope, receive, send)
+        request = Request(scope, receive)
+        try:
+            response = await handler(request)
+            if not isinstance(response, Response):         # a whole answer: as FastAPI sends a dict
+                response = JSONResponse(response)
+        except Exception as e:                              # noqa: BLE001 -- the app's handler answers
+            kind, on_error = next((k, h) for k, h in self.hot_errors if isinstance(e, k))
+            if kind is Exception:                           # a bug: logged, as FastAPI's path logs it
+                logging.getLogger("uvicorn.error").exception("Exception in ASGI application")
+            response = await on_error(request, e)
+        await response(scope, receive, send)
+
+
+
+
 def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING, admitted=None) -> FastAPI:
     """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
     made it shuts it down (pagedlab.server.serve does). admitted: the front ends' shared admission
@@ -198,8 +229,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
         finally:
             watcher.cancel()
 
-    app = FastAPI(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
-                  lifespan=lifespan)
+    app = ServingApp(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
+                     lifespan=lifespan)
     frontend = dict(index=getattr(async_llm, "frontend", 0), of=getattr(async_llm, "frontends", 1), pid=os.getpid())
     metrics = ServerMetrics(async_llm.stats, frontend)
     gate = AdmissionGate(async_llm.max_num_seqs, max_waiting, admitted, frontend["index"])
@@ -320,6 +351,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
         make = chat_response if req.kind == "chat" else completion_response
         return make(env, outputs, prompt_lengths, logprobs_of)
 
+    app.hot_routes = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    app.hot_errors = ((OpenAIError, openai_error), (Exception, unexpected))
     return app
 
 
