@@ -37,6 +37,8 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from .core_mailbox import pipe_ready
+
 READY_TIMEOUT_S = 1800.0      # loading a model (and compiling kernels) before the core answers
 IDLE_SLICE_S = 0.25           # an idle core sends its stats this often (idle time in /metrics)
 
@@ -167,6 +169,7 @@ class CoreLink:
         self.info: CoreInfo | None = None
         self.dead: str | None = None     # why the core is gone, once it is
         self._sendq: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = pipe_ready(outbox)          # "is a message waiting?", before every recv
         self._writer = threading.Thread(target=self._write, name=f"{name}-writer", daemon=True)
         self._writer.start()
 
@@ -206,7 +209,7 @@ class CoreLink:
         """Every message waiting from the core, without blocking. End-of-file: ("died", why)."""
         while True:
             try:
-                if not self.outbox.poll():
+                if not self._ready():
                     return
                 yield self.outbox.recv()
             except (EOFError, OSError):
