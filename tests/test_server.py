@@ -391,6 +391,37 @@ def test_a_bug_in_a_generation_route_is_that_requests_500(server, reference, mon
     wait_idle(server)
 
 
+def test_a_body_past_the_limit_is_413_and_never_held_whole(server, monkeypatch):
+    """A request body past protocol.MAX_BODY_BYTES: 413 in OpenAI's shape -- at once when its
+    Content-Length says so, and mid-upload when it comes in chunks without one -- on every route
+    that reads a body; the server goes on (a stream running meanwhile is not disturbed)."""
+    from pagedlab.server import protocol
+    monkeypatch.setattr(protocol, "MAX_BODY_BYTES", 4096)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=DEADLINE_S,
+                      json=dict(model=MODEL, prompt=[9, 8, 7], max_tokens=40, stream=True, ignore_eos=True)) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))      # running now
+        big = json.dumps(dict(model=MODEL, prompt=[5] * 3000, max_tokens=2))     # ~9 kB
+        for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+            r1 = httpx.post(server.url + path, content=big, headers={"Content-Type": "application/json"},
+                            timeout=DEADLINE_S)
+            assert r1.status_code == 413 and "4,096" in r1.json()["error"]["message"], (path, r1.text)
+
+            def chunks():                      # no Content-Length: chunked transfer, 1 kB at a time
+                for i in range(0, len(big), 1024):
+                    yield big[i:i + 1024].encode()
+            r2 = httpx.post(server.url + path, content=chunks(), headers={"Content-Type": "application/json"},
+                            timeout=DEADLINE_S)
+            assert r2.status_code == 413 and r2.json()["error"]["type"] == "invalid_request_error", (path, r2.text)
+        done = [first] + [line for line in lines if line.startswith("data: ")]
+    assert done[-1] == "data: [DONE]"
+    assert len(ids_of("".join(c["text"] for x in done[:-1] for c in json.loads(x[6:])["choices"]))) == 40
+    ok = httpx.post(server.url + "/v1/completions", json=dict(model=MODEL, prompt=[5] * 50, max_tokens=2),
+                    timeout=DEADLINE_S)
+    assert ok.status_code == 200, ok.text
+    wait_idle(server)
+
+
 # -- a full queue --------------------------------------------------------------------------------
 
 def test_full_queue_gets_503_with_retry_after():

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .admission import AdmissionGate
 from .metrics import ServerMetrics
 from .protocol import (OpenAIError, ParsedRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
-                       read_body)
+                       read_body, receive_body)
 from .responses import (SSE_DONE, Envelope, chat_logprobs, chat_response, chunk, completion_logprobs,
                         completion_response, sse, usage_chunk)
 
@@ -270,12 +270,12 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     # -- vLLM's utility endpoints: the server's own tokenizer, and its version ----------------------
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        ids = parse_tokenize(read_body(await request.body()), model_name, tokenizer)
+        ids = parse_tokenize(read_body(await receive_body(request)), model_name, tokenizer)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        ids = parse_detokenize(read_body(await request.body()), model_name, getattr(tokenizer, "vocab_size", None))
+        ids = parse_detokenize(read_body(await receive_body(request)), model_name, getattr(tokenizer, "vocab_size", None))
         return {"prompt": tokenizer.decode(ids)}
 
     @app.get("/version")
@@ -285,12 +285,12 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = read_body(await request.body())
+        body = read_body(await receive_body(request))
         return await answer(request, parse_completion(body, model_name, tokenizer, max_model_len))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = read_body(await request.body())
+        body = read_body(await receive_body(request))
         return await answer(request, parse_chat(body, model_name, tokenizer, max_model_len))
 
     async def answer(request: Request, req: ParsedRequest):

@@ -131,6 +131,30 @@ _JSON_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"\s*:|"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
+# The largest request body read (413 past it): a body is held whole in memory while it is parsed,
+# so without a bound one client's multi-gigabyte POST would take the front end -- and every
+# stream it serves -- down. A prompt of 128k token ids is ~1 MB of JSON; 32 MiB leaves room for
+# long texts and prompt lists.
+MAX_BODY_BYTES = 32 << 20
+
+
+async def receive_body(request, limit: int | None = None) -> bytes:
+    """The request's body, read chunk by chunk and refused (413) as soon as it passes `limit`
+    bytes (None: MAX_BODY_BYTES) -- or at once, when its Content-Length says it will."""
+    limit = MAX_BODY_BYTES if limit is None else limit
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(f"the request body has {int(declared):,} bytes; at most {limit:,} are accepted",
+                          status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(f"the request body passes {limit:,} bytes, the most accepted", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def read_body(raw: bytes) -> dict:
     """The request body as a JSON object, or a 400: also for a body nested deeper than
     MAX_JSON_DEPTH (the parser and everything after it recurse: a 500 otherwise) and for a string
