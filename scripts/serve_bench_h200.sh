@@ -8,7 +8,9 @@
 # commit before core processes (its package copied to .old/, if present).
 # Session 16: `api1 api4` -- the same burst three times through one front end and through four
 # (`serve --api-servers 4`), each command with its own offline passes: scripts/serve_bench_h200.sh api1 api4
-# Session 17: `api1c4 api4c4` -- the same, each burst sent by 4 client processes instead of one
+# Session 17: `api1c4 api4c4` -- the same, each burst sent by 4 client processes instead of one;
+# `old1c4 api1c4`: api1c4 on the package in .old/ (carried: it is ignored) against this one
+# (e.g. `git archive 97394c4 pagedlab | tar -x -C .old`: the front end before session 17's changes)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -30,6 +32,7 @@ api1)    run api1 --serve "$SERVE --api-servers 1" $API $W ;;
 api4)    run api4 --serve "$SERVE --api-servers 4" $API $W ;;
 api1c4)  run api1c4 --serve "$SERVE --api-servers 1" $API --client-procs 4,4,4 $W ;;   # (session 17) the
 api4c4)  run api4c4 --serve "$SERVE --api-servers 4" $API --client-procs 4,4,4 $W ;;   # bursts from 4 clients
+old1c4)  [ -d .old/pagedlab ] && (cd .old && run old1c4 --serve "$SERVE" $API --client-procs 4,4,4 $W) ;;  # api1c4 on .old
 whole)   run process_whole --serve "$SERVE" --no-stream --rate inf $W ;;
 thread)  run thread_stream --serve "$SERVE --engine-thread" --rate 64,inf $W ;;
 before)  if [ -d .old/pagedlab ]; then       # run from inside .old: `python -m` puts the cwd first
