@@ -422,6 +422,24 @@ def test_a_body_past_the_limit_is_413_and_never_held_whole(server, monkeypatch):
     wait_idle(server)
 
 
+def test_a_client_gone_mid_body_is_no_error(server, caplog):
+    """A client that closes its connection halfway through sending a body: nothing to answer,
+    nothing logged as an error, nothing queued; the server goes on."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with caplog.at_level("ERROR", logger="uvicorn.error"):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            with socket.create_connection((host, int(port)), timeout=DEADLINE_S) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             f"Content-Length: 5000\r\n\r\n{{\"model\": \"{MODEL}\", \"prompt\": [".encode())
+                time.sleep(0.05)
+        time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+    ok = httpx.post(server.url + "/v1/completions", json=dict(model=MODEL, prompt=[5, 6], max_tokens=2),
+                    timeout=DEADLINE_S)
+    assert ok.status_code == 200, ok.text
+    wait_idle(server)
+
+
 # -- a full queue --------------------------------------------------------------------------------
 
 def test_full_queue_gets_503_with_retry_after():

@@ -30,6 +30,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .admission import AdmissionGate
 from .metrics import ServerMetrics
@@ -206,6 +207,8 @@ class ServingApp(FastAPI):
             response = await handler(request)
             if not isinstance(response, Response):         # a whole answer: as FastAPI sends a dict
                 response = JSONResponse(response)
+        except ClientDisconnect:                            # gone while sending its body: nobody to answer
+            return
         except Exception as e:                              # noqa: BLE001 -- the app's handler answers
             kind, on_error = next((k, h) for k, h in self.hot_errors if isinstance(e, k))
             if kind is Exception:                           # a bug: logged, as FastAPI's path logs it
