@@ -31,7 +31,7 @@ import torch
 
 from .attention import AttentionMetadata, attend
 from .config import EngineConfig, ModelConfig, max_positions
-from .kernels import select_kernels
+from .kernels import scratch, select_kernels
 from .kernels.rope import rope_cos_sin
 from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
 from .quantization import FP8Weight, check_quantization, quantize_weight
@@ -50,6 +50,15 @@ def _takes(fn, name: str = "prefetch") -> bool:
 def _prefetch(fn, w) -> dict:
     """prefetch=w for fn where it takes it: the matrix the kernel after fn streams."""
     return {"prefetch": w} if _takes(fn, "prefetch") else {}
+
+
+def _own_scratch(forward):
+    """forward, with its kernels' scratch memory the model's own (self.scratch; kernels/scratch.py)."""
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        with scratch.owned_by(self.scratch):
+            return forward(self, *args, **kwargs)
+    return run
 
 
 class LlamaModel:
@@ -98,6 +107,9 @@ class LlamaModel:
         self.lm_head = self.embed if c.tie_word_embeddings and quantization is None else lin(head)
         self.cos_sin = rope_cos_sin(c.head_dim, c.rope_theta, max_positions or c.max_position_embeddings,
                                     c.rope_scaling, device=self.device)
+        # the split kernels' partial sums and counters, this model's alone (kernels/scratch.py): an
+        # engine capturing its graphs never shares them with another engine stepping meanwhile
+        self.scratch: dict = {}
         self.scale = c.head_dim ** -0.5
 
     def num_bytes(self) -> int:
@@ -109,6 +121,7 @@ class LlamaModel:
                    for t in ts)
 
     @torch.inference_mode()
+    @_own_scratch
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
                 greedy: bool = False, embedded: torch.Tensor | None = None,

@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedlab.kernels import gemv  # noqa: E402
+from pagedlab.kernels import gemv, scratch  # noqa: E402
 from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -196,8 +196,31 @@ def test_split_k_counters_reset_between_launches():
     first = gemv.linear_residual_triton(x, w, r, config=SPLIT)
     for _ in range(3):
         assert torch.equal(gemv.linear_residual_triton(x, w, r, config=SPLIT), first)
-    assert all(int(c.abs().sum()) == 0 for _, c in gemv._WORKSPACE.values())
+    counters = [c for key, (_, c) in scratch.DEFAULT.items() if key[0] == "gemv"]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters)
     check(first, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
+
+
+def test_split_k_scratch_belongs_to_its_owner():
+    """kernels/scratch.py: launches under owned_by(pool) take their partial sums and counters from
+    that pool -- two owners, two sets of buffers for the same shape (an engine's graph capture never
+    counts on another engine's counters) -- and the same results; the default pool is not touched."""
+    dtype = DTYPES[0]
+    gen = torch.Generator().manual_seed(12)
+    x, w, r = rand(1, 200, dtype=dtype, gen=gen), rand(50, 200, dtype=dtype, gen=gen, scale=0.1), rand(1, 50, dtype=dtype, gen=gen)
+    before = dict(scratch.DEFAULT)
+    a, b = {}, {}
+    with scratch.owned_by(a):
+        ya = gemv.linear_residual_triton(x, w, r, config=SPLIT)
+        assert scratch.current() is a
+    with scratch.owned_by(b):
+        yb = gemv.linear_residual_triton(x, w, r, config=SPLIT)
+    assert scratch.current() is scratch.DEFAULT and scratch.DEFAULT == before
+    assert list(a) == list(b) and len(a) == 1 and next(iter(a))[0] == "gemv"
+    (wa, ca), (wb, cb) = a[next(iter(a))], b[next(iter(b))]
+    assert wa.data_ptr() != wb.data_ptr() and ca.data_ptr() != cb.data_ptr()
+    assert torch.equal(ya, yb) and int(ca.abs().sum()) == int(cb.abs().sum()) == 0
+    check(ya, gemv.linear_residual_torch(f64(x), f64(w), f64(r)), dtype)
 
 
 def test_forced_paths_agree_and_guard_rows():

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import scratch
 from .launch import INT32_LIMIT, freeze, num_stages, sm_count
 from .online_softmax import LOG2E, online_softmax_update
 from .paged import gather_pages
@@ -339,7 +340,6 @@ def attend_group(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
-_SCRATCH: dict = {}
 # split_len of the unsplit (gqa) kernel: longer than any context, so its one split is all of it.
 WHOLE_CONTEXT = 1 << 30
 
@@ -378,15 +378,11 @@ def choose_decode_plan(batch: int, num_kv_heads: int, max_ctx: int, sm_count: in
 
 def _scratch(device, batch, hq, hkv, splits, block_d):
     """split_kv's partial results and its per-(sequence, KV head) arrival counters (zero between
-    launches: the merging program resets its own)."""
-    key = (device.type, device.index, batch, hq, hkv, splits, block_d)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        ml = torch.empty((batch * hq, splits, 2), dtype=torch.float32, device=device)
-        acc = torch.empty((batch * hq, splits, block_d), dtype=torch.float32, device=device)
-        cnt = torch.zeros(batch * hkv, dtype=torch.int32, device=device)
-        buf = _SCRATCH[key] = (ml, acc, cnt)
-    return buf
+    launches: the merging program resets its own), the current owner's (kernels/scratch.py)."""
+    return scratch.get(("split_kv", device.type, device.index, batch, hq, hkv, splits, block_d), device, lambda: (
+        torch.empty((batch * hq, splits, 2), dtype=torch.float32, device=device),
+        torch.empty((batch * hq, splits, block_d), dtype=torch.float32, device=device),
+        torch.zeros(batch * hkv, dtype=torch.int32, device=device)))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,6 +50,7 @@ from ..quantization import FP8Weight, linear
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .decode_attention import attend_group, decode_attention_torch
 from .kv_store import kv_store_torch, kv_store_triton
+from . import scratch
 from .launch import INT32_LIMIT, freeze, merge_config, num_stages
 from .pdl import launch_options, main_loop_done, pdl_flag, start as pdl_start
 from .rmsnorm import rms_norm_torch, rms_norm_triton
@@ -548,7 +549,6 @@ def _qkv_rope_store_kernel(x_ptr, g_ptr, w_ptr, s_ptr, q_ptr, kc_ptr, vc_ptr, po
 # --------------------------------------------------------------------------------------------
 # launchers
 # --------------------------------------------------------------------------------------------
-_WORKSPACE: dict = {}     # split-K launches: (partial sums, arrival counters) per shape and device
 _SINK: dict = {}          # prefetch programs: where each writes one word (so its loads are kept)
 
 
@@ -599,14 +599,11 @@ def _plan(x, k, row_blocks, cfg, pdl, prefetch=None):
             k_split = max(block_k, k_split // 2 // block_k * block_k)
     splits = triton.cdiv(k, k_split)
     ws = cnt = x
-    if splits > 1:
-        key = (x.device, block_m, block_r, row_blocks, splits)
-        if key not in _WORKSPACE:
-            _WORKSPACE[key] = (
-                torch.empty(row_blocks * splits * (2 * block_m * block_r + block_m),
-                            dtype=torch.float32, device=x.device),
-                torch.zeros(row_blocks, dtype=torch.int32, device=x.device))
-        ws, cnt = _WORKSPACE[key]
+    if splits > 1:                                   # the owner's (kernels/scratch.py)
+        ws, cnt = scratch.get(("gemv", x.device, block_m, block_r, row_blocks, splits), x.device, lambda: (
+            torch.empty(row_blocks * splits * (2 * block_m * block_r + block_m), dtype=torch.float32,
+                        device=x.device),
+            torch.zeros(row_blocks, dtype=torch.int32, device=x.device)))
     flag = pdl_flag(x.device, pdl)
     pf_blocks, pf_kwargs = _prefetch_args(prefetch, splits, cfg, block_m, x.device)
     kwargs = dict(SPLITS=splits, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k, PDL=flag,
@@ -699,12 +696,11 @@ def _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_ma
         from .online_softmax import LOG2E
         block_table, seq_lens, sm = attn
         assert t == 1 and num_heads % hkv == 0 and block_table.is_contiguous()
-        key = (x.device, hkv)
-        if key not in _GROUP_COUNTERS:
-            _GROUP_COUNTERS[key] = torch.zeros(hkv, dtype=torch.int32, device=x.device)
+        group_counts = scratch.get(("attn_groups", x.device, hkv), x.device,
+                                   lambda: torch.zeros(hkv, dtype=torch.int32, device=x.device))
         out = torch.empty_like(q)
         g = num_heads // hkv
-        kw.update(o_ptr=out, bt_ptr=block_table, sl_ptr=seq_lens, gcnt_ptr=_GROUP_COUNTERS[key],
+        kw.update(o_ptr=out, bt_ptr=block_table, sl_ptr=seq_lens, gcnt_ptr=group_counts,
                   sm_scale=sm * LOG2E, max_blocks=block_table.shape[1], ATTN=1,
                   BS=k_cache.shape[1], GP=max(16, triton.next_power_of_2(g)),
                   BLOCK_N=config.get("ATTN_BLOCK_N", 128), IEEE=int(x.dtype == torch.float32),
@@ -726,7 +722,6 @@ def norm_qkv_rope_store_attend_torch(x, norm_w, eps, w, positions, cos_sin, k_ca
     return decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len)
 
 
-_GROUP_COUNTERS: dict = {}    # ATTN: arrivals per KV head group (zero between launches)
 
 
 def attend_fused(x, k_cache, config, max_seq_len) -> bool:
