@@ -710,3 +710,20 @@ def test_a_tensor_parallel_engine_behind_the_server(reference):
         s.stop()
         llm.close()
     assert not multiprocessing.active_children()
+
+
+def test_text_events_from_the_template_equal_whole_chunks():
+    """responses.Envelope.text_event (the streamed text event, from a per-request template) gives
+    the very characters sse(chunk(...)) gives: both APIs, with and without usage, any index, texts
+    with quotes, escapes, newlines, non-ASCII and astral characters, empty; odd model names."""
+    import random
+    from pagedlab.server.responses import Envelope, chunk, sse
+    rnd = random.Random(int(torch.randint(0, 10**6, (1,))))
+    alphabet = ['"', "\\", "\n", "\t", "\x00", "\x7f", "é", "ß", "中", "😀", "\u2028", "a", " ", "{", "}"]
+    for kind in ("chat", "completion"):
+        for model in ("smollm2", 'a"b\\c', "módèl", "\x00"):
+            env = Envelope(kind, model)
+            for _ in range(50):
+                text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 8)))
+                index, usage = rnd.randrange(0, 130), rnd.random() < 0.5
+                assert env.text_event(index, text, usage) == sse(chunk(env, index, text, include_usage=usage))

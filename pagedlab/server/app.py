@@ -378,11 +378,12 @@ async def events(req: ParsedRequest, env: Envelope, streams, prompt_lengths, log
                 yield sse(chunk(env, i, None, first=True, include_usage=usage))
         async for i, delta in streams:
             new_logprobs = getattr(delta, "logprobs", None) if req.logprobs is not None else None
-            if delta.text or new_logprobs:
-                lp = None
-                if new_logprobs:
-                    lp = logprobs_of(_Piece(new_logprobs), offsets[i])
+            if new_logprobs:
+                lp = logprobs_of(_Piece(new_logprobs), offsets[i])
                 yield sse(chunk(env, i, delta.text, logprobs=lp, include_usage=usage))
+                offsets[i] += len(delta.text)
+            elif delta.text:                  # (the common event: a template, the text encoded alone)
+                yield env.text_event(i, delta.text, usage)
                 offsets[i] += len(delta.text)
             if delta.finished:
                 outputs[i] = out = delta.output

@@ -41,6 +41,21 @@ class Envelope:
         self.kind, self.model = kind, model
         self.id, self.created = new_id(kind), int(time.time())
 
+    def text_event(self, index: int, text: str, include_usage: bool = False) -> str:
+        """sse(chunk(self, index, text, include_usage=include_usage)), the same characters, from a
+        template made once per request: only the text is encoded per token. (Building the chunk's
+        dicts and encoding them whole took ~4.5 us a token on the lab's CPU, the template ~0.3:
+        a 512-request burst of 144 tokens each is 74k events.)"""
+        t = self._templates.get(include_usage) if hasattr(self, "_templates") else None
+        if t is None:
+            mark = f"\x00{uuid.uuid4().hex}"  # a text no chunk holds, split out of a chunk built once
+            whole = sse(chunk(self, 0, mark, include_usage=include_usage))
+            head, tail = whole.split(json.dumps(mark), 1)
+            cut = head.rindex('"index":0') + len('"index":')
+            t = (head[:cut], head[cut + 1:], tail)
+            self.__dict__.setdefault("_templates", {})[include_usage] = t
+        return f"{t[0]}{index}{t[1]}{json.dumps(text)}{t[2]}"
+
     def head(self, streamed: bool) -> dict:
         obj = {"chat": "chat.completion", "completion": "text_completion"}[self.kind]
         if streamed and self.kind == "chat":
