@@ -217,8 +217,6 @@ class ServingApp(FastAPI):
         await response(scope, receive, send)
 
 
-
-
 def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING, admitted=None) -> FastAPI:
     """A FastAPI app serving `async_llm` as `model_name`. It does not own the AsyncLLM: whoever
     made it shuts it down (pagedlab.server.serve does). admitted: the front ends' shared admission
