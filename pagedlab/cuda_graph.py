@@ -158,7 +158,10 @@ class DecodeGraphs:
                 for _ in range(2):
                     self._run(b)                 # warm up: compile kernels, fill caches
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                # thread_local: the capture forbids CUDA calls to this thread only -- another
+                # thread's engine (a notebook's server, say) goes on stepping meanwhile ("global",
+                # torch's default, would fail that engine's syncs and copies while we capture)
+                with torch.cuda.graph(g, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                     self.logits[b], self.tokens[b] = self._run(b)
                 if self.pool is None:
                     self.pool = g.pool()
