@@ -47,7 +47,8 @@ def test_dead_cycles_go_first_and_nothing_is_collected_inside():
 
 def test_every_capture_runs_with_the_collector_paused(monkeypatch):
     """DecodeGraphs._capture_all (CUDA only) with CUDA's stream and graph calls stood in for: each
-    warm-up and captured step runs with the collector off, and it is on again afterwards."""
+    warm-up and captured step runs with the collector off, and it is on again afterwards; every
+    capture in capture_error_mode "thread_local" (another thread's engine may step meanwhile)."""
     llm = tiny_llm(cuda_graphs="eager", max_num_seqs=4)
     graphs = llm.engine.runner.graphs
     seen = []
@@ -65,7 +66,9 @@ def test_every_capture_runs_with_the_collector_paused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None: contextlib.nullcontext())
+    modes = []           # and each capture forbids CUDA calls to its own thread only
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, pool=None, stream=None, capture_error_mode="global":
+                        modes.append(capture_error_mode) or contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     was = gc.isenabled()
     gc.enable()
@@ -76,4 +79,5 @@ def test_every_capture_runs_with_the_collector_paused(monkeypatch):
         (gc.enable if was else gc.disable)()
     assert {b for b, _ in seen} == set(graphs.sizes) and len(seen) == 3 * len(graphs.sizes)
     assert not any(on for _, on in seen)
+    assert modes == ["thread_local"] * len(graphs.sizes)
     assert cuda_graph.collector_paused is collector_paused
