@@ -49,8 +49,8 @@ import triton.language as tl
 from ..quantization import FP8Weight, linear
 from .activation import silu_and_mul_torch, silu_and_mul_triton
 from .decode_attention import attend_group, decode_attention_torch
-from .kv_store import kv_store_torch, kv_store_triton
 from . import scratch
+from .kv_store import kv_store_torch, kv_store_triton
 from .launch import INT32_LIMIT, freeze, merge_config, num_stages
 from .pdl import launch_options, main_loop_done, pdl_flag, start as pdl_start
 from .rmsnorm import rms_norm_torch, rms_norm_triton
@@ -720,8 +720,6 @@ def norm_qkv_rope_store_attend_torch(x, norm_w, eps, w, positions, cos_sin, k_ca
     q = norm_qkv_rope_store_torch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache,
                                   slot_mapping, num_heads)
     return decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale, max_seq_len)
-
-
 
 
 def attend_fused(x, k_cache, config, max_seq_len) -> bool:
