@@ -222,13 +222,20 @@ def variant_graphs(llm, modes) -> dict:
     runner = llm.engine.runner
     own = runner.graphs
     out = {}
+    from pagedlab.kernels import gemv
     for mode in modes:
         if own is None or not own.capture or mode == (runner.spec_fused_rows or "off"):
             out[mode] = own
             continue
-        with fused_rows(None if mode == "off" else mode):
-            out[mode] = DecodeGraphs(runner.model, runner.kv_cache, runner.block_table.table, own.max_seq_len,
-                                     own.sizes[-1], sizes=own.sizes, capture=True)
+        name, _, rows = mode.partition(":")        # "fma_layers:4": the fused kernels up to 4 rows
+        was = gemv.FMA_ROWS
+        try:
+            gemv.FMA_ROWS = int(rows) if rows else was
+            with fused_rows(None if name == "off" else name):
+                out[mode] = DecodeGraphs(runner.model, runner.kv_cache, runner.block_table.table, own.max_seq_len,
+                                         own.sizes[-1], sizes=own.sizes, capture=True)
+        finally:
+            gemv.FMA_ROWS = was
     return out
 
 
@@ -458,7 +465,8 @@ def run(argv=None) -> dict:
     p.add_argument("--fused-rows", default=None, metavar="MODES",
                    help="comma-separated kernels/gemv.py fused_rows modes of the few-row decode graphs the "
                         "speculative runs replay, each a run of its own: off (cuBLAS + separate small "
-                        "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS)")
+                        "kernels), fma, fma_layers, dot (default: the engine's, ModelRunner.SPEC_FUSED_ROWS); "
+                        "fma:N / fma_layers:N: the fused kernels up to N rows (kernels/gemv.py FMA_ROWS)")
     p.add_argument("--batch-gate", default=None, metavar="on|off|off,on",
                    help="the batch's gate (spec/gate.py: speculation off for the whole batch where it "
                         "does not pay): several values, each speculative variant once per value "
@@ -487,8 +495,11 @@ def run(argv=None) -> dict:
         gemv.FUSE_UP_TO = max(1, min(args.fuse_up_to, gemv.MAX_ROWS))
     items = [m for m in (args.fused_rows or "").split(",") if m]
     for m in items:
-        if m.partition("@")[0] != "off" and m.partition("@")[0] not in gemv.FUSED_ROWS_MODES:
+        name, _, rows = m.partition("@")[0].partition(":")
+        if name != "off" and name not in gemv.FUSED_ROWS_MODES:
             raise SystemExit(f"--fused-rows: {m!r} is none of off, {', '.join(gemv.FUSED_ROWS_MODES)}")
+        if rows and not (rows.isdigit() and int(rows) >= 1 and name in ("fma", "fma_layers")):
+            raise SystemExit(f"--fused-rows: {m!r}: MODE:N (N >= 1 rows) is for fma and fma_layers")
     gates = [g for g in (args.batch_gate or "").split(",") if g]
     if any(g not in ("on", "off") for g in gates):
         raise SystemExit(f"--batch-gate: {args.batch_gate!r}: on, off or both")
