@@ -449,3 +449,37 @@ def test_bench_spec_graph_prefill_variants(tmp_path):
         assert x["against"] == v.replace("on", "off") and x["same_tokens"] == 1.0
         assert x["speedup"] == pytest.approx(x["median"] / vs[x["against"]]["median"])
     assert res["graph_prefill_rows"] == [0, 8] and ModelRunner.GRAPH_PREFILL_ROWS is None   # (class untouched)
+
+
+def test_bench_spec_fused_rows_bound_per_variant(monkeypatch):
+    """--fused-rows fma_layers:3: that variant's graphs are captured with the fused kernels up to 3
+    rows (gemv.FMA_ROWS while they are captured, put back after, also when a capture raises);
+    MODE:N is refused for the modes without a row bound."""
+    import types
+    import pagedlab.cuda_graph as cuda_graph
+    from pagedlab.bench.spec import run, variant_graphs
+    from pagedlab.kernels import gemv
+    seen = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            if gemv.FMA_ROWS == 2:
+                raise RuntimeError("capture failed")
+            seen.append((gemv._FUSED_ROWS[0], gemv.FMA_ROWS))
+
+    monkeypatch.setattr(cuda_graph, "DecodeGraphs", Recorder)
+    own = types.SimpleNamespace(capture=True, max_seq_len=64, sizes=[1, 2, 4])
+    runner = types.SimpleNamespace(graphs=own, spec_fused_rows="fma_layers", model=None, kv_cache=None,
+                                   block_table=types.SimpleNamespace(table=None))
+    llm = types.SimpleNamespace(engine=types.SimpleNamespace(runner=runner))
+    bound = gemv.FMA_ROWS
+    out = variant_graphs(llm, ["fma_layers", "fma_layers:3", "fma:4", "off"])
+    assert out["fma_layers"] is own
+    assert seen == [("fma_layers", 3), ("fma", 4), (False, bound)]
+    assert gemv.FMA_ROWS == bound and gemv._FUSED_ROWS[0] is False
+    with pytest.raises(RuntimeError):
+        variant_graphs(llm, ["fma:2"])
+    assert gemv.FMA_ROWS == bound and gemv._FUSED_ROWS[0] is False
+    for bad in ("dot:3", "fma:0", "fma_layers:x", "off:2"):
+        with pytest.raises(SystemExit, match="--fused-rows"):
+            run(["--small", "--fused-rows", bad])
