@@ -43,6 +43,7 @@ entries a step changes travel in its batch (`table_edits`); the runner writes th
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -322,6 +323,8 @@ class Scheduler:
         for req in list(self.admitted):
             if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
                 continue
+            if self.ends_in_flight(req):
+                continue                            # its last token is in flight: nothing to run
             if self.make_room(req, step):
                 req.num_scheduled = 1
                 step.decode.append(req)
@@ -442,23 +445,37 @@ class Scheduler:
             return "length"
         return None
 
+    # Run ahead past a request whose last token (by length) is in flight: the next step decodes the
+    # others without it (its slot is refilled one step later). False (PAGEDLAB_RUN_AHEAD_PAST_ENDS=0
+    # at import): read that step first, as before session 19.
+    RUN_AHEAD_PAST_ENDS = os.environ.get("PAGEDLAB_RUN_AHEAD_PAST_ENDS", "1") != "0"
+
+    def ends_in_flight(self, r: Request) -> bool:
+        """Is r's last token by length (max_new_tokens or the model's length) already in flight?
+        Then it stops when that token is read, whatever the token is: nothing is left to schedule."""
+        return r.num_in_flight > 0 and self.RUN_AHEAD_PAST_ENDS and (
+            len(r.output_token_ids) + r.num_in_flight >= r.params.max_new_tokens or r.num_tokens >= self.max_model_len)
+
     def can_run_ahead(self, max_batch: int) -> bool:
         """Is the next step sure to be a decode of exactly the running requests whatever the tokens
-        of the step in flight are? (Greedy, none of them can stop by length in the step in flight,
-        blocks for all of them, no free slot a waiting request would take -- none free, or the queue
-        held for admit_group.) Then it can be launched before that step is read. (A request that
-        stops on a token in the step in flight runs one spare row; its slot is refilled one step
-        later.)"""
+        of the step in flight are? (Greedy, blocks for all of them, no free slot a waiting request
+        would take -- none free, or the queue held for admit_group.) Then it can be launched before
+        that step is read. A request whose last token by length is in flight is left out of it
+        (ends_in_flight); one that stops on a token in the step in flight runs one spare row. Either
+        way its slot is refilled one step later."""
         if (self.waiting and None in self.slots and not self._holding()) or not self.admitted or len(self.admitted) > max_batch:
             return False
-        need = 0
+        need = rows = 0
         for r in self.admitted:
+            if self.ends_in_flight(r):
+                continue
             p, n = r.params, r.num_tokens
             if (not p.plain_greedy or n - r.num_computed != 1 or len(r.output_token_ids) + r.num_in_flight >= p.max_new_tokens
                     or n >= self.max_model_len):
                 return False
             need += blocks_needed(n, self.block_size) - len(r.blocks)
-        return need <= self.allocator.num_free
+            rows += 1
+        return rows > 0 and need <= self.allocator.num_free
 
     def fail(self, req: Request, error: str) -> None:
         """A step raised while serving this request: it finishes with finish_reason "error"."""
