@@ -186,13 +186,15 @@ class DecodeGraphs:
             return self.logits[b]
         return self._run(b)[0]
 
-    def launch(self, rows: list) -> Replay:
+    def launch(self, rows: list, choose=None) -> Replay:
         """rows: n <= max batch tuples (token, position, KV slot, length, slot, prev_row), where
         prev_row >= 0 says "my token is the one the previous replay chose for its row prev_row"
         (the host's token is then ignored) and -1 says "the host's token". Pads the rows to the
         captured size b, copies them to the device (one copy), replays b's graph and queues the copy
         of the chosen tokens back to pinned host memory. Returns without waiting for the device.
-        The host buffers come in pairs, so read a replay before launching the second after it."""
+        The host buffers come in pairs, so read a replay before launching the second after it.
+        choose: logits [n, V] -> token ids [n] on the device, chosen outside the graph (sampling):
+        they replace the graph's argmax where the next replay and the host read them."""
         n = len(rows)
         b = self.batch_size(n)
         k = self._turn = 1 - self._turn
@@ -202,6 +204,8 @@ class DecodeGraphs:
         host[n:b] = self._padding[n:b]
         self.inputs[:b].copy_(self._host_inputs[k][:b], non_blocking=True)
         logits = self.replay(b)
+        if choose is not None:
+            self.prev_tokens[:n].copy_(choose(logits[:n]))
         host_tokens = self._host_tokens[k][:n]
         host_tokens.copy_(self.prev_tokens[:n], non_blocking=True)
         if self._events[k] is not None:

@@ -19,6 +19,7 @@ the device from step n's output).
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,13 @@ class ModelRunner:
     # AUTO was 80 (session 14); 128 since session 15, with GRAPH_PREFILL_SIZES below: one stream's
     # 128-token prompt (Llama-3.2-1B, H200) replays in 1.2-1.5 ms of GPU time, TTFT 9-16 -> 2.5-2.7
     # ms; with FUSED_INPUTS bf16 1,047-1,049 -> 1,084-1,101 tokens/s (docs/kernels.md, session 15).
+    # Sampled decode steps (temperature > 0, seeded noise, no penalties or logprobs) that replay a
+    # graph choose their tokens on the device (sample() after the replay, written where the next
+    # replay reads its input tokens), so the overlap loop runs ahead of them as of greedy steps.
+    # Off by default: exact on the CPU tests (tests/test_overlap.py), not measured on a GPU yet.
+    # PAGEDLAB_RUN_AHEAD_SAMPLED=1 at import turns it on.
+    RUN_AHEAD_SAMPLED = os.environ.get("PAGEDLAB_RUN_AHEAD_SAMPLED", "0") == "1"
+
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 128
     # The captured sizes go up to max_num_seqs * rows_per_seq, so an engine of few slots replays
@@ -211,7 +219,12 @@ class ModelRunner:
             step = StepInputs("replay", batch.table_edits, rows)
         else:
             step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
-        logits, replay = self.execute(step)
+        choose = None
+        if (self.RUN_AHEAD_SAMPLED and step.kind == "replay" and not prompt_rows and offsets is None
+                and self.peers is None and getattr(self.model, "tp", None) is None
+                and all(r.params.chosen_on_device for r in reqs) and not all(r.params.plain_greedy for r in reqs)):
+            choose = lambda lg: self._device_tokens(lg, reqs)     # noqa: E731 -- sampled on the device
+        logits, replay = self.execute(step, choose)
         if self.while_running is not None:
             self.while_running(batch)        # host work that overlaps the device's (prefix hashing)
         tokens = None
@@ -223,25 +236,26 @@ class ModelRunner:
                     ends.append(n - 1)
             logits = logits[ends + list(range(n, n + len(batch.decode)))]
             tokens, batch.logprobs = self._sample(logits, reqs, offsets)
-        elif replay is None or not all(r.params.plain_greedy for r in reqs):
+        elif choose is None and (replay is None or not all(r.params.plain_greedy for r in reqs)):
             tokens, batch.logprobs = self._sample(logits, reqs, offsets)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
 
-    def execute(self, step: "StepInputs"):
+    def execute(self, step: "StepInputs", choose=None):
         """The step's device work from its host inputs: block-table edits, then a graph replay or
         the packed forward. Returns (logits, Replay or None). Under tensor parallelism rank 0 first
-        sends the same inputs to the other ranks (parallel/group.py), which run this very function."""
+        sends the same inputs to the other ranks (parallel/group.py), which run this very function.
+        choose: a replay's tokens chosen outside its graph (DecodeGraphs.launch; never under TP)."""
         if self.peers is not None:
             with self.peers.step_section():      # all ranks or none: Ctrl-C waits for its end
                 self.peers.send_step(step)
                 return self._execute(step)
-        return self._execute(step)
+        return self._execute(step, choose)
 
-    def _execute(self, step):
+    def _execute(self, step, choose=None):
         self.block_table.write(step.table_edits)
         if step.kind == "replay":
-            replay = self.graphs.launch(step.data)
+            replay = self.graphs.launch(step.data, choose)
             return replay.logits, replay
         input_ids, positions, meta, rows = self._device_inputs(step.data)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, rows), None
@@ -345,19 +359,8 @@ class ModelRunner:
         ps = [r.params for r in reqs]
         if all(p.plain_greedy for p in ps):
             return logits.argmax(dim=-1).tolist(), None
-        dev, raw = logits.device, logits.float()
-        logits = self._penalize(raw, reqs) if any(p.has_penalties for p in ps) else raw
-        tokens = sample(
-            logits,
-            temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
-            top_k=torch.tensor([p.top_k for p in ps], device=dev),
-            top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
-            seeds=torch.tensor([r.seed for r in reqs], device=dev),
-            positions=torch.tensor([r.num_tokens for r in reqs] if offsets is None else
-                                   [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev),
-            all_greedy=all(p.greedy for p in ps),
-            any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
-            min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)
+        raw = logits.float()
+        tokens = self._device_tokens(raw, reqs, offsets)
         k = max((p.logprobs for p in ps if p.logprobs is not None), default=None)
         if k is None:
             return tokens.tolist(), None
@@ -374,6 +377,27 @@ class ModelRunner:
             out.append(None if p.logprobs is None else TokenLogprob(
                 int(row[0]), row[1], [(int(i), v) for i, v in zip(row[2:2 + n], row[2 + k:2 + k + n])]))
         return [int(row[0]) for row in rows], out
+
+    def _device_tokens(self, logits, reqs, offsets=None) -> torch.Tensor:
+        """Each row's next token, on the device (no host read): penalties applied where asked,
+        then sample() -- greedy rows take the argmax, sampled rows draw with their seed at their
+        position (the noise depends on nothing else, so the token does not depend on the batch)."""
+        ps = [r.params for r in reqs]
+        dev = logits.device
+        logits = logits.float()
+        if any(p.has_penalties for p in ps):
+            logits = self._penalize(logits, reqs)
+        return sample(
+            logits,
+            temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
+            top_k=torch.tensor([p.top_k for p in ps], device=dev),
+            top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
+            seeds=torch.tensor([r.seed for r in reqs], device=dev),
+            positions=torch.tensor([r.num_tokens for r in reqs] if offsets is None else
+                                   [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev),
+            all_greedy=all(p.greedy for p in ps),
+            any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
+            min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)
 
     def _penalize(self, logits, reqs):
         """Presence / frequency / repetition penalties on the rows that have them (one device copy

@@ -135,6 +135,14 @@ class SamplingParams:
         run ahead of."""
         return self.temperature == 0 and not self.has_penalties and self.logprobs is None
 
+    @property
+    def chosen_on_device(self) -> bool:
+        """The next token depends on this step's logits, the request's seed and its position and
+        nothing else (no penalties, which read the output so far on the host; no logprobs, which
+        are read back with the token): greedy or sampled, the device can choose it alone, so the
+        overlap loop may run ahead of it (runner.ModelRunner.RUN_AHEAD_SAMPLED)."""
+        return not self.has_penalties and self.logprobs is None
+
 
 
 def _accept_max_tokens(init):

@@ -458,8 +458,10 @@ class Scheduler:
 
     def can_run_ahead(self, max_batch: int) -> bool:
         """Is the next step sure to be a decode of exactly the running requests whatever the tokens
-        of the step in flight are? (Greedy, blocks for all of them, no free slot a waiting request
-        would take -- none free, or the queue held for admit_group.) Then it can be launched before
+        of the step in flight are? (Tokens the device chooses alone -- greedy, or seeded sampling
+        without penalties or logprobs; whether the step in flight left its tokens on the device is
+        the runner's to say -- blocks for all of them, no free slot a waiting request would take --
+        none free, or the queue held for admit_group.) Then it can be launched before
         that step is read. A request whose last token by length is in flight is left out of it
         (ends_in_flight); one that stops on a token in the step in flight runs one spare row. Either
         way its slot is refilled one step later."""
@@ -470,7 +472,7 @@ class Scheduler:
             if self.ends_in_flight(r):
                 continue
             p, n = r.params, r.num_tokens
-            if (not p.plain_greedy or n - r.num_computed != 1 or len(r.output_token_ids) + r.num_in_flight >= p.max_new_tokens
+            if (not p.chosen_on_device or n - r.num_computed != 1 or len(r.output_token_ids) + r.num_in_flight >= p.max_new_tokens
                     or n >= self.max_model_len):
                 return False
             need += blocks_needed(n, self.block_size) - len(r.blocks)

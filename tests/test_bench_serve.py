@@ -147,6 +147,7 @@ def test_poisson_arrivals_are_seeded():
     (["--slo-ttft-ms", "-5"], "--slo-ttft-ms"), (["--url", "localhost:8000"], "--url"),
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"), (["--offline-passes", "1"], "--offline-passes"),
     (["--client-procs", "0"], "--client-procs"), (["--client-procs", "2,x"], "--client-procs"),
+    (["--temperature", "-0.5"], "--temperature"), (["--temperature", "3"], "--temperature"),
 ])
 def test_bad_flags_are_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -233,3 +234,12 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert math.isclose(b["ttft_p99_ratio"], r["ttft_ms"]["p99"] / off["ttft_p99_ms_median"])
     assert math.isclose(b["tok_s_ratio"], r["served_over_offline"])
     assert f"TTFT p99 {b['served_ttft_p99_ms']:.0f} vs {b['offline_ttft_p99_ms']:.0f} ms" in out
+
+
+def test_temperature_reaches_every_request():
+    """--temperature: each job carries it into its request body (greedy 0 by default)."""
+    args = bench.build_parser().parse_args(["--num-prompts", "3", "--ignore-eos", "--temperature", "0.7"])
+    jobs = bench.make_workload(args)
+    assert [bench.request_body("m", j, True, True)["temperature"] for j in jobs] == [0.7] * 3
+    greedy = bench.make_workload(bench.build_parser().parse_args(["--num-prompts", "2"]))
+    assert [bench.request_body("m", j, False, False)["temperature"] for j in greedy] == [0.0, 0.0]

@@ -64,3 +64,24 @@ def test_graphs_and_overlap_match_the_plain_loop_with_every_feature(ckpt):
     for x, y in zip(a, b):
         assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
     assert graphs.engine.scheduler.allocator.num_used == 0
+
+
+def test_sampled_steps_run_ahead_on_captured_graphs(ckpt, monkeypatch):
+    """ModelRunner.RUN_AHEAD_SAMPLED on captured graphs: seeded sampling chosen on the device after
+    the replay, the next replay reading it -- every request's tokens equal the plain loop's (fp32),
+    and sampled steps ran ahead."""
+    from pagedlab import SamplingParams
+    from pagedlab.runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "RUN_AHEAD_SAMPLED", True)
+    rng, rnd = torch.Generator().manual_seed(4), random.Random(4)
+    prompts = random_prompts(12, VOCAB, rng, lo=2, hi=40)
+    params = [SamplingParams(max_tokens=rnd.randint(4, 24), ignore_eos=True, seed=rnd.randrange(1000),
+                             temperature=rnd.choice([0.0, 0.7, 1.2]), top_k=rnd.choice([0, 20]),
+                             top_p=rnd.choice([1.0, 0.9]), min_p=rnd.choice([0.0, 0.05])) for _ in prompts]
+    want = [o.token_ids for o in make(ckpt, cuda_graphs=False).generate(prompts, params)]
+    llm = make(ckpt)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.capture
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert llm.engine.num_overlapped > 0
+    assert llm.engine.scheduler.allocator.num_used == 0

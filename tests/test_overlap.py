@@ -162,3 +162,65 @@ def test_steps_run_ahead_past_requests_ending_by_length(monkeypatch, past_ends, 
         assert any(past), "no step ran ahead past a request's last token"
     else:
         assert not any(past)
+
+
+def sampled_params(n, rnd, max_tokens=30):
+    """Seeded sampling of every kind the device can choose alone (temperature, top-k, top-p,
+    min-p), greedy between them, and now and then a request with penalties or logprobs."""
+    params = []
+    for _ in range(n):
+        kind = rnd.choice(["t", "top_k", "top_p", "min_p", "greedy", "t", "penalty", "logprobs"])
+        kw = dict(max_tokens=rnd.randint(1, max_tokens), ignore_eos=True, seed=rnd.randrange(10_000))
+        if kind != "greedy":
+            kw["temperature"] = rnd.choice([0.5, 0.9, 1.3])
+        if kind == "top_k":
+            kw["top_k"] = rnd.randint(1, 40)
+        elif kind == "top_p":
+            kw["top_p"] = rnd.choice([0.3, 0.8])
+        elif kind == "min_p":
+            kw["min_p"] = 0.05
+        elif kind == "penalty":
+            kw.update(presence_penalty=0.4, repetition_penalty=1.2)
+        elif kind == "logprobs":
+            kw["logprobs"] = rnd.randint(0, 3)
+        params.append(SamplingParams(**kw))
+    return params
+
+
+@pytest.mark.parametrize("slots,num_blocks,seed", [(4, 512, 0), (6, 40, 1), (1, 64, 2)])
+def test_sampled_steps_run_ahead_and_give_the_same_tokens(monkeypatch, slots, num_blocks, seed):
+    """RUN_AHEAD_SAMPLED: a replayed step of seeded sampling (no penalties, no logprobs) chooses its
+    tokens on the device, where the next replay reads them, and the overlap loop runs ahead of it
+    as of greedy steps. Every request's tokens equal the plain engine's (the noise depends on the
+    seed and the position only); requests with penalties or logprobs still make the loop read
+    first; random arrivals, a pool small enough to preempt in the second case."""
+    from pagedlab.runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "RUN_AHEAD_SAMPLED", True)
+    rng, rnd = torch.Generator().manual_seed(seed), random.Random(seed)
+    prompts = random_prompts(16, 512, rng, lo=2, hi=24)
+    params = sampled_params(len(prompts), rnd)
+    arrival = [rnd.randint(0, 25) for _ in prompts]
+    want = run_stream(tiny_llm(max_num_seqs=slots, num_blocks=num_blocks), prompts, params, arrival)
+    llm = overlapped_llm(max_num_seqs=slots, num_blocks=num_blocks)
+    eng, launch, ahead = llm.engine, llm.engine.runner.launch, []
+
+    def watched(batch, after=None):
+        if after is not None:
+            ahead.append([r.params for r in batch.sampled])
+            assert all(r.params.chosen_on_device for r in eng.scheduler.admitted)
+        return launch(batch, after=after)
+    eng.runner.launch = watched
+    got = run_stream(llm, prompts, params, arrival)
+    assert got == want
+    assert any(not p.greedy for ps in ahead for p in ps), "no sampled step ran ahead: the test checks nothing"
+
+
+def test_sampled_steps_do_not_run_ahead_when_it_is_off(monkeypatch):
+    """The default (RUN_AHEAD_SAMPLED off): a sampled step reads its tokens at once, as before."""
+    from pagedlab.runner import ModelRunner
+    monkeypatch.setattr(ModelRunner, "RUN_AHEAD_SAMPLED", False)
+    prompts = [[4, 5, 6], [7, 8]]
+    params = [SamplingParams(max_new_tokens=8, temperature=0.8, seed=3, ignore_eos=True)] * 2
+    llm = overlapped_llm(max_num_seqs=2, num_blocks=64)
+    llm.generate(prompts, params)
+    assert llm.engine.num_overlapped == 0

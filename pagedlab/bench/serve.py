@@ -79,6 +79,7 @@ class Job:
     prompt: object          # a string of words, or a list of token ids (--ignore-eos)
     input_len: int          # as asked (words or tokens); the server's usage gives the real count
     output_len: int         # max_tokens
+    temperature: float = 0.0  # 0: greedy (the default); > 0: sampled (the server draws a seed)
 
 
 def lengths(rng, mean: int, ratio: float, n: int) -> list[int]:
@@ -122,7 +123,7 @@ def make_workload(args) -> list[Job]:
             prompt = [int(t) for t in rng.integers(*TOKEN_ID_RANGE, size=a)]
         else:
             prompt = " ".join(WORDS[int(i)] for i in rng.integers(0, len(WORDS), size=a))
-        jobs.append(Job(prompt, a, b))
+        jobs.append(Job(prompt, a, b, getattr(args, "temperature", 0.0)))
     return jobs
 
 
@@ -155,7 +156,7 @@ class Result:
 
 
 def request_body(model: str, job: Job, ignore_eos: bool, stream: bool) -> dict:
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": 0.0}
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": job.temperature}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
@@ -571,6 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="JSON lines {\"input_len\": .., \"output_len\": ..} (instead of the lengths above)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="send ignore_eos: true and token-id prompts (vLLM and pagedlab take them)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy; > 0: sampled, offline too)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput: TTFT at most this")
     p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT at most this")
     p.add_argument("--warmup", type=int, default=1, help="requests sent first, not measured")
@@ -610,6 +613,8 @@ def check(args) -> list[float]:
             bad(f"{flag} must be > 0, got {v}")
     if args.warmup < 0:
         bad(f"--warmup must be >= 0, got {args.warmup}")
+    if not 0 <= args.temperature <= 2:
+        bad(f"--temperature must be in [0, 2] (the OpenAI API's range), got {args.temperature}")
     if not args.url.startswith(("http://", "https://")):
         bad(f"--url must start with http:// or https://, got {args.url!r}")
     if args.trace and not Path(args.trace).is_file():
@@ -810,7 +815,7 @@ def run_offline(serve_args: str, jobs: list[Job], args) -> dict:
         spec = Path(tmp) / "jobs.json"
         spec.write_text(json.dumps({"serve_args": serve_args, "ignore_eos": args.ignore_eos,
                                     "warmup": args.warmup, "passes": args.offline_passes,
-                                    "jobs": [[j.prompt, j.output_len] for j in jobs]}))
+                                    "jobs": [[j.prompt, j.output_len, j.temperature] for j in jobs]}))
         subprocess.run([sys.executable, "-m", "pagedlab.bench.serve", "--offline-worker", str(spec)], check=True)
         return json.loads((Path(tmp) / "offline.json").read_text())
 
@@ -826,8 +831,8 @@ def offline_worker(spec_path: str) -> int:
     build_objects(a, sampling=False)                 # the server's own engine arguments, as it builds them
     llm = LLM(a.model, tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
               **a.engine_kwargs)
-    prompts = [p for p, _ in spec["jobs"]]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=spec["ignore_eos"]) for _, n in spec["jobs"]]
+    prompts = [p for p, *_ in spec["jobs"]]
+    params = [SamplingParams(max_tokens=n, temperature=t, ignore_eos=spec["ignore_eos"]) for _, n, t in spec["jobs"]]
     if spec["warmup"]:
         llm.generate(prompts[:spec["warmup"]], params[:spec["warmup"]])
     passes = []
