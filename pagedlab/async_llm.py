@@ -47,6 +47,7 @@ from .engine import SEED_BITS, check_request
 from .output_processor import OutputProcessor, RequestState
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
+BUSY_TIMES = {"busy_start_t": min, "busy_end_t": max}     # core stats that are moments (time.monotonic)
 
 
 class CoreThread:
@@ -233,7 +234,9 @@ class AsyncLLM:
         total = {}
         for s in per_core:
             for k, v in s.items():
-                if k != "t":
+                if k in BUSY_TIMES:             # times, not amounts: the cores' first start, last end
+                    total[k] = BUSY_TIMES[k](total.get(k, v), v)
+                elif k != "t":
                     total[k] = total.get(k, 0) + v
         total["frontend_output_s"] = self._output_s
         total["frontend_cpu_s"] = time.process_time()     # this front-end process's CPU, all its threads

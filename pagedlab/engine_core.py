@@ -32,6 +32,10 @@ class EngineCore:
         self.prompt_steps, self.prompt_step_seconds = 0, 0.0
         self.last_step_s = 0.0
         self.timing = {"idle_s": 0.0, "inbox_s": 0.0, "handout_s": 0.0}   # a core process's loop
+        # busy periods (idle -> work -> idle), time.monotonic(): one clock for every process of the
+        # machine, so a benchmark's client can place its burst's start and end against them
+        self.busy_periods, self.busy_start_t, self.busy_end_t = 0, 0.0, 0.0
+        self._busy = False
 
     def add(self, items) -> list[int]:
         """items: (request_id, token ids, text, params) as checked by the front end; a request_id
@@ -64,6 +68,9 @@ class EngineCore:
         and the hand-out are deferred sections (interrupts.py), and what an interrupted call had
         gathered is handed out by the next one."""
         eng = self.engine
+        if not self._busy:
+            self._busy, self.busy_start_t = True, time.monotonic()
+            self.busy_periods += 1
         t0 = time.perf_counter()
         eng.step(into=self.unhanded)          # (its device work stays interruptible)
         self.last_step_s = time.perf_counter() - t0
@@ -73,7 +80,11 @@ class EngineCore:
             self.prompt_steps += 1
             self.prompt_step_seconds += self.last_step_s
         with deferred():
-            return self._hand_out()
+            out = self._hand_out()
+        if not self.has_work():
+            self._busy, self.busy_end_t = False, time.monotonic()
+            out.stats.update(busy_end_t=self.busy_end_t)
+        return out
 
     def _hand_out(self) -> StepOutput:
         sent, out = self.sent, self.ended
@@ -123,6 +134,7 @@ class EngineCore:
                  kv_total=alloc.num_blocks, steps=self.num_steps, step_seconds=self.step_seconds,
                  prompt_steps=self.prompt_steps, prompt_step_seconds=self.prompt_step_seconds,
                  step_sequences=self.step_sequences, t=time.perf_counter(),
+                 busy_periods=self.busy_periods, busy_start_t=self.busy_start_t, busy_end_t=self.busy_end_t,
                  **{f"core_{k}": v for k, v in self.timing.items()},
                  **{f"host_{k}_s": v for k, v in self.engine.timing.items() if k != "steps"})
         for attr in ("hit_rate", "prefix_queries", "prefix_hits", "num_cached"):

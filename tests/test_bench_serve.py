@@ -223,6 +223,14 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
         assert set(dec) == set(host) and min(dec.values()) >= 0
         assert 0 < sum(dec.values()) <= x["decode_step_ms"] * (1 + 1e-9), (dec, x["decode_step_ms"])
     assert "the host per step (ms): schedule" in out and "per decode-only step: schedule" in out
+    # the core's busy window against the burst (one clock, time.monotonic): the way in, the busy
+    # span with every step inside it, the way out -- adding up to the client's wall time
+    b = r["busy"]
+    assert b["periods"] >= 1 and b["start_s"] >= 0 and b["end_s"] >= 0 and b["span_s"] > 0
+    assert math.isclose(b["start_s"] + b["span_s"] + b["end_s"], r["duration_s"], rel_tol=1e-6)
+    if b["periods"] == 1:
+        assert r["seconds"]["engine_step_seconds"] <= b["span_s"]
+    assert f"the core started {1e3 * b['start_s']:.0f} ms after the first request" in out
     assert "served/offline" in out and "decode-only" in out
     assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out
     # TTFT p99: every pass's kept; the burst against the median of the passes after the first

@@ -290,6 +290,9 @@ def summarize(rate: float, results: list[Result], duration_s: float, args) -> di
     }
 
 
+BUSY = ("core_busy_periods", "core_busy_start_time", "core_busy_end_time")
+
+
 def engine_counters(url: str) -> dict | None:
     """pagedlab's engine step counters from /metrics (None from another server)."""
     import httpx
@@ -300,7 +303,8 @@ def engine_counters(url: str) -> dict | None:
     vals = {}
     names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
              "engine_prompt_step_seconds", *HOST_PHASES, *HOST_DECODE_PHASES, "core_idle_seconds",
-             "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds", "frontend_cpu_seconds")
+             "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds", "frontend_cpu_seconds",
+             *BUSY)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name.startswith("pagedlab_") and name[9:] in names:
@@ -313,7 +317,7 @@ def engine_step(before: dict | None, after: dict | None) -> dict:
     the steps with prompt tokens in them (eager) apart from the decode-only ones (CUDA graphs)."""
     if not before or not after or after["engine_steps"] <= before["engine_steps"]:
         return {"engine_step_ms": None, "engine_batch": None}
-    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    d = {k: after[k] - before.get(k, 0.0) for k in after if k not in BUSY[1:]}
     n = d.pop("engine_steps")
     out = {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
            "engine_batch": d["engine_step_sequences"] / n,
@@ -380,17 +384,43 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     times = arrival_times(len(jobs), rate, args.seed)
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream)
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
-        results, duration, counters, after = await asyncio.to_thread(      # and once the last answer is in
+        results, duration, counters, after, start = await asyncio.to_thread(   # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
     else:
         counters = engine_counters(url)
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
-        start = time.perf_counter()
-        results = await send_all(url, model, jobs, times, how, start, lambda: bar.update(1))
-        duration = time.perf_counter() - start
+        t0, start = time.perf_counter(), time.monotonic()
+        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1))
+        duration = time.perf_counter() - t0
         bar.close()
         after = engine_counters(url)
-    return summarize(rate, results, duration, args) | {"client_procs": procs} | engine_step(counters, after)
+    return (summarize(rate, results, duration, args) | {"client_procs": procs} | engine_step(counters, after)
+            | busy_window(counters, after, start, duration))
+
+
+def busy_window(before: dict | None, after: dict | None, start: float, duration: float) -> dict:
+    """Where a run's wall time went around the engine core (pagedlab only; time.monotonic, one
+    clock for the machine): from the first request sent to the core starting work (start_s), the
+    core's busy span and the steps in it, and from the core running out of work to the last answer
+    read (end_s). busy_periods > 1: the core ran out of work mid-run (the span is then the last
+    period's)."""
+    if not before or not after or "core_busy_periods" not in after:
+        return {}
+    periods = after["core_busy_periods"] - before.get("core_busy_periods", 0)
+    if periods < 1:
+        return {}
+    t0, t1 = after["core_busy_start_time"], after["core_busy_end_time"]
+    return {"busy": {"periods": int(periods), "start_s": t0 - start, "span_s": t1 - t0,
+                     "end_s": start + duration - t1}}
+
+
+def busy_text(r: dict) -> str:
+    b = r.get("busy")
+    if not b:
+        return ""
+    more = f" ({b['periods']} busy periods: it ran out of work mid-run)" if b["periods"] > 1 else ""
+    return (f"; the core started {1e3 * b['start_s']:.0f} ms after the first request, was busy "
+            f"{b['span_s']:.2f} s and done {1e3 * b['end_s']:.0f} ms before the last answer{more}")
 
 
 async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
@@ -428,7 +458,7 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     start (time.monotonic: one clock for every process of the machine) and send theirs; the
     results come back in the jobs' order, the duration is the common start -> the last answer.
     Returns (results, duration_s, counters() just before the start, counters() once the last
-    answer is in -- before the clients exit)."""
+    answer is in -- before the clients exit, the common start)."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
@@ -460,7 +490,7 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     for i, idx in enumerate(share):
         for j, r in zip(idx, got[i][0]):
             out[j] = r
-    return out, max(end for _, end in got.values()) - start_at.value, before, after
+    return out, max(end for _, end in got.values()) - start_at.value, before, after, start_at.value
 
 
 def _from_clients(q, workers):
@@ -683,7 +713,7 @@ def main(argv=None) -> int:
             print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
                   + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()
                               if k not in ("engine_prompt_step_seconds", "frontend_cpu_seconds"))
-                  + kinds_text(r) + frontend_cpu_text(r))
+                  + kinds_text(r) + frontend_cpu_text(r) + busy_text(r))
     if offline:
         print("offline median pass:" + kinds_text(offline))
         # the first token of a burst: offline the queue holds every request at once; served, the
