@@ -101,6 +101,9 @@ def test_a_burst_from_client_processes(server, tmp_path, capsys):
         assert r["ttft_ms"]["p99"] <= r["e2e_latency_ms"]["p99"] <= 1e3 * r["duration_s"]
     assert generated_tokens(server) - tokens_before == 2 * want
     assert "clients" in out
+    # each client process's own CPU over its burst: one number per process, none negative
+    assert len(one["client_cpu_s"]) == 1 and len(two["client_cpu_s"]) == 2
+    assert min(one["client_cpu_s"] + two["client_cpu_s"]) >= 0
 
 
 def test_a_client_process_that_dies_is_an_error_not_a_wait():
@@ -231,6 +234,7 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     if b["periods"] == 1:
         assert r["seconds"]["engine_step_seconds"] <= b["span_s"]
     assert f"the core started {1e3 * b['start_s']:.0f} ms after the first request" in out
+    assert "the client's CPU" in out and len(r["client_cpu_s"]) == 1
     assert "served/offline" in out and "decode-only" in out
     assert f"offline {off['ttft_ms']['min']:.1f} ms" in out and f"{r['ttft_ms']['min']:.1f} ms" in out
     # TTFT p99: every pass's kept; the burst against the median of the passes after the first

@@ -384,18 +384,18 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     times = arrival_times(len(jobs), rate, args.seed)
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream)
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
-        results, duration, counters, after, start = await asyncio.to_thread(   # and once the last answer is in
+        results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
     else:
         counters = engine_counters(url)
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
-        t0, start = time.perf_counter(), time.monotonic()
+        t0, start, cpu = time.perf_counter(), time.monotonic(), time.process_time()
         results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1))
-        duration = time.perf_counter() - t0
+        duration, cpus = time.perf_counter() - t0, [time.process_time() - cpu]
         bar.close()
         after = engine_counters(url)
-    return (summarize(rate, results, duration, args) | {"client_procs": procs} | engine_step(counters, after)
-            | busy_window(counters, after, start, duration))
+    return (summarize(rate, results, duration, args) | {"client_procs": procs, "client_cpu_s": cpus}
+            | engine_step(counters, after) | busy_window(counters, after, start, duration))
 
 
 def busy_window(before: dict | None, after: dict | None, start: float, duration: float) -> dict:
@@ -412,6 +412,16 @@ def busy_window(before: dict | None, after: dict | None, start: float, duration:
     t0, t1 = after["core_busy_start_time"], after["core_busy_end_time"]
     return {"busy": {"periods": int(periods), "start_s": t0 - start, "span_s": t1 - t0,
                      "end_s": start + duration - t1}}
+
+
+def client_cpu_text(r: dict) -> str:
+    """The client processes' own CPU over the run: a client near its wall time is itself a bound."""
+    cpus = r.get("client_cpu_s")
+    if not cpus:
+        return ""
+    return (f"; the {'clients' + chr(39) if len(cpus) > 1 else 'client' + chr(39) + 's'} CPU "
+            f"{', '.join(f'{c:.2f}' for c in cpus)} s "
+            f"(of {r['duration_s']:.2f} s)")
 
 
 def busy_text(r: dict) -> str:
@@ -458,7 +468,7 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     start (time.monotonic: one clock for every process of the machine) and send theirs; the
     results come back in the jobs' order, the duration is the common start -> the last answer.
     Returns (results, duration_s, counters() just before the start, counters() once the last
-    answer is in -- before the clients exit, the common start)."""
+    answer is in -- before the clients exit, the common start, each client's CPU seconds)."""
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
@@ -478,8 +488,8 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
         go.set()
         got = {}
         for _ in workers:
-            i, res, end = _from_clients(results, workers)
-            got[i] = (res, end)
+            i, res, end, cpu = _from_clients(results, workers)
+            got[i] = (res, end, cpu)
         after = counters()
     finally:
         for w in workers:
@@ -490,7 +500,8 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     for i, idx in enumerate(share):
         for j, r in zip(idx, got[i][0]):
             out[j] = r
-    return out, max(end for _, end in got.values()) - start_at.value, before, after, start_at.value
+    return (out, max(end for _, end, _ in got.values()) - start_at.value, before, after, start_at.value,
+            [got[i][2] for i in range(procs)])
 
 
 def _from_clients(q, workers):
@@ -512,9 +523,9 @@ def _client_process(i, url, model, jobs, times, how, ready, go, start_at, result
     delay = start_at.value - time.monotonic()
     if delay > 0:
         time.sleep(delay)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     res = asyncio.run(send_all(url, model, jobs, times, how, start))
-    results.put((i, res, time.monotonic()))
+    results.put((i, res, time.monotonic(), time.process_time() - cpu))
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -713,7 +724,7 @@ def main(argv=None) -> int:
             print(f"rate {r['rate']}: {r['duration_s']:.2f} s, of which "
                   + ", ".join(f"{k.replace('_seconds', '')} {v:.2f} s" for k, v in r["seconds"].items()
                               if k not in ("engine_prompt_step_seconds", "frontend_cpu_seconds"))
-                  + kinds_text(r) + frontend_cpu_text(r) + busy_text(r))
+                  + kinds_text(r) + frontend_cpu_text(r) + busy_text(r) + client_cpu_text(r))
     if offline:
         print("offline median pass:" + kinds_text(offline))
         # the first token of a burst: offline the queue holds every request at once; served, the
