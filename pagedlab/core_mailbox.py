@@ -11,8 +11,17 @@ is rid % N: no table to keep, nothing to forget.
 What the core sends: after each step, ONE message to each front end that has requests in that step
 (its requests' columns of the StepOutput, with the core's stats), never one per request; a front end
 with nothing in the step gets the stats alone, at most every `stats_every_s` (so every front end's
-/metrics shows the same engine gauges, a fraction of a second old at most). Each front end has its
-own writer thread: a front end that reads late holds up neither the step nor the other front ends.
+/metrics shows the same engine gauges, a fraction of a second old at most).
+
+How a message leaves (Outbox): the core's own thread pickles it and writes it into the pipe at once,
+without blocking (the pipe is non-blocking on the core's side; the front end reads it with a plain
+Connection.recv). Only what the pipe cannot take now -- a front end that reads late -- is left to
+that front end's writer thread, which waits for room; until it has written everything, later
+messages queue behind it, so the order holds. So a front end that reads late holds up neither the
+step nor the other front ends, and in the common case no second thread wakes per step: a thread
+that wakes every step to pickle and send takes the GIL from the loop that launches the GPU's work
+(the engine lost 8 % offline beside one, docs/serving.md session 15). PAGEDLAB_CORE_DIRECT_SEND=0:
+every message through the writer thread, as before session 20.
 
 A front end that leaves -- it says "stop", or its inbox reaches end-of-file because it was killed --
 has its requests aborted (their blocks are free at once) and is written to no more; an abort from a
@@ -20,11 +29,15 @@ front end touches only its own requests. The core leaves once every front end ha
 """
 from __future__ import annotations
 
+import collections
 import itertools
+import os
 import queue
 import select
+import struct
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
 
 from .output_processor import StepOutput
 
@@ -62,11 +75,9 @@ class Mailbox:
         self.live = list(range(self.n))               # the front ends that have not left
         self.stats_every_s = stats_every_s
         self._last_sent = [0.0] * self.n
-        self._queues = [queue.SimpleQueue() for _ in range(self.n)]
-        self._writers = [threading.Thread(target=_write, args=(q, out), name=f"core-writer{f}", daemon=True)
-                         for f, (q, out) in enumerate(zip(self._queues, outboxes))]
-        for w in self._writers:
-            w.start()
+        direct = os.environ.get("PAGEDLAB_CORE_DIRECT_SEND", "1") != "0"
+        self._queues = [(Outbox if direct else ThreadOutbox)(out, f"core-writer{f}")
+                        for f, out in enumerate(outboxes)]
 
     @property
     def open(self) -> bool:
@@ -146,8 +157,8 @@ class Mailbox:
         for f in self.live:
             self._queues[f].put(None)
         self.live = []
-        for w in self._writers:
-            w.join(timeout)
+        for q in self._queues:
+            q.join(timeout)
 
 
 def split(step: StepOutput, n: int) -> dict[int, StepOutput]:
@@ -169,6 +180,112 @@ def split(step: StepOutput, n: int) -> dict[int, StepOutput]:
     for rid, fin in step.finished.items():
         part(rid).finished[rid] = fin
     return parts
+
+
+def frame(msg) -> bytes:
+    """A message as multiprocessing.Connection.send writes it (a 4-byte big-endian length, or -1 and
+    an 8-byte one past 2 GiB, then the pickle), so the front end reads it with Connection.recv."""
+    body = ForkingPickler.dumps(msg)
+    n = len(body)
+    head = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+    return head + body
+
+
+class Outbox:
+    """The core's end of one front end's outbox pipe: put() writes now when the pipe has room (the
+    caller's thread, no wait), and leaves the rest to a writer thread that waits for room. put(None):
+    write what is left, then close. A front end that is gone: everything put is dropped (its inbox
+    tells the core it left)."""
+
+    def __init__(self, conn, name: str = "core-writer"):
+        self._conn, self._fd = conn, conn.fileno()
+        os.set_blocking(self._fd, False)      # this end only: the front end's end stays blocking
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()   # frames (memoryviews) not yet written
+        self._wake = threading.Event()
+        self._closing = self._gone = False
+        self.direct = self.deferred = 0       # messages written at once / left to the writer (tests)
+        self._writer = threading.Thread(target=self._write_pending, name=name, daemon=True)
+        self._writer.start()
+
+    def put(self, msg) -> None:
+        if msg is None:
+            with self._lock:
+                self._closing = True
+            self._wake.set()
+            return
+        if self._gone or self._closing:
+            return
+        data = memoryview(frame(msg))
+        with self._lock:
+            if not self._pending:             # nothing queued ahead of it: try the pipe now
+                try:
+                    data = data[os.write(self._fd, data):]
+                except BlockingIOError:
+                    pass
+                except OSError:               # the front end is gone
+                    self._gone = True
+                    return
+                if not data:
+                    self.direct += 1
+                    return
+            self.deferred += 1
+            self._pending.append(data)
+        self._wake.set()
+
+    def _write_pending(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLOUT)
+        while True:
+            self._wake.wait()
+            with self._lock:
+                self._wake.clear()
+                data = self._pending[0] if self._pending else None
+                closing = self._closing
+            if data is None:
+                if closing:
+                    break
+                continue
+            try:
+                poller.poll(1000)             # room in the pipe (or its reader gone: POLLERR)
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                self._wake.set()
+                continue
+            except OSError:
+                with self._lock:
+                    self._gone = True
+                    self._pending.clear()
+                break
+            with self._lock:                  # popped only once whole: put() sees it pending until then
+                if n < len(data):
+                    self._pending[0] = data[n:]
+                else:
+                    self._pending.popleft()
+                if self._pending or self._closing:
+                    self._wake.set()
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        self._writer.join(timeout)
+
+
+class ThreadOutbox:
+    """Every message pickled and sent by a writer thread (PAGEDLAB_CORE_DIRECT_SEND=0)."""
+
+    def __init__(self, conn, name: str = "core-writer"):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=_write, args=(self._q, conn), name=name, daemon=True)
+        self._writer.start()
+
+    def put(self, msg) -> None:
+        self._q.put(msg)
+
+    def join(self, timeout: float) -> None:
+        self._writer.join(timeout)
 
 
 def _write(sendq, outbox) -> None:
