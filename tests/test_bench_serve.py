@@ -59,9 +59,15 @@ def test_two_rates_give_json_and_plot(server, tmp_path, capsys):
         assert r["requested"] == r["completed"] == 7 and r["failed"] == 0 and r["errors"] == []
         assert r["total_output_tokens"] == want_tokens
         assert r["total_prompt_tokens"] == sum(len(j.prompt) for j in jobs)
-        for key in ("ttft_ms", "itl_ms", "e2e_latency_ms"):
+        for key in ("ttft_ms", "e2e_latency_ms", "tpot_ms"):
             check_ordered(r[key])
-        check_ordered(r["tpot_ms"])
+        # inter-token latencies come from the gaps between a stream's events: on a loaded CPU the
+        # front end may read several steps at once and send a short answer whole (one event, no gap;
+        # seen once in a suite run, session 20) -- then there are none, and they are None
+        if r["itl_ms"]["min"] is not None:
+            check_ordered(r["itl_ms"])
+        else:
+            assert all(v is None for v in r["itl_ms"].values())
         assert r["ttft_ms"]["p99"] <= r["e2e_latency_ms"]["p99"]
         assert math.isclose(r["request_throughput"], 7 / r["duration_s"])
         assert math.isclose(r["output_throughput"], want_tokens / r["duration_s"])
