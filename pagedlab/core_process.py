@@ -14,7 +14,8 @@ the batch size; the front end does everything else.
 What crosses: Python objects pickled through two one-way pipes (multiprocessing.Pipe), one message
 per step each way at most. No new dependency, and a step's message (a few hundred token ids and
 request ids) pickles in tens of microseconds, small beside a GPU step (docs/serving.md has the
-numbers). The front end sends through a writer thread, so a long message never blocks its event loop.
+numbers). Both sides write without blocking (core_mailbox.Outbox: at once when the pipe has room,
+the rest through a writer thread), so a long message never blocks the core's loop or the event loop.
 
 Several front ends (`serve --api-servers N`): one pair of pipes per front end, every one to the same
 core; the core's side of them is core_mailbox.Mailbox (who owns which request, who gets which part
@@ -30,14 +31,12 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import queue
 import signal
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 
-from .core_mailbox import pipe_ready
+from .core_mailbox import Outbox, ThreadOutbox, pipe_ready
 
 READY_TIMEOUT_S = 1800.0      # loading a model (and compiling kernels) before the core answers
 IDLE_SLICE_S = 0.25           # an idle core sends its stats this often (idle time in /metrics)
@@ -115,9 +114,9 @@ def core_main(inboxes, outboxes, llm_kwargs: dict, env: dict) -> None:
 
 def run_core(core, mailbox) -> None:
     """schedule -> run -> accept, with the front ends' messages read between steps (blocking only
-    when idle), until every front end has left. Step outputs leave through the mailbox's writer
-    threads: a front end that reads late never holds up a step (its messages queue here and it
-    takes them all at once). Where the core's time goes (idle, inbox, steps, handing out) is
+    when idle), until every front end has left. Step outputs leave through the mailbox's outboxes
+    (written at once when the pipe has room, else by a writer thread): a front end that reads late
+    never holds up a step (its messages queue here and it takes them all at once). Where the core's time goes (idle, inbox, steps, handing out) is
     counted in core.timing, sent with every step's stats (/metrics)."""
     timing = core.timing
     clock = time.perf_counter
@@ -168,10 +167,11 @@ class CoreLink:
         self._inbox, self.outbox = inbox, outbox
         self.info: CoreInfo | None = None
         self.dead: str | None = None     # why the core is gone, once it is
-        self._sendq: queue.SimpleQueue = queue.SimpleQueue()
+        # adds and aborts: written at once by the caller's thread (the event loop) when the pipe has
+        # room, the rest by a writer thread (core_mailbox.Outbox), so the loop never waits on a pipe
+        direct = os.environ.get("PAGEDLAB_CORE_DIRECT_SEND", "1") != "0"
+        self._sendq = (Outbox if direct else ThreadOutbox)(inbox, f"{name}-writer")
         self._ready = pipe_ready(outbox)          # "is a message waiting?", before every recv
-        self._writer = threading.Thread(target=self._write, name=f"{name}-writer", daemon=True)
-        self._writer.start()
 
     def take_ready(self) -> CoreInfo:
         """The core's first message (wait until there is one): its CoreInfo, or RuntimeError."""
@@ -189,18 +189,9 @@ class CoreLink:
         return what
 
     def send(self, msg) -> None:
-        """Queue a message for the core (the writer thread sends it: never blocks the caller)."""
+        """Send a message to the core (never blocks the caller: what the pipe cannot take now is
+        left to the writer thread; a core that is gone drops it, and its outbox says why)."""
         self._sendq.put(msg)
-
-    def _write(self) -> None:
-        while True:
-            msg = self._sendq.get()
-            if msg is None:
-                return
-            try:
-                self._inbox.send(msg)
-            except OSError:                  # the core is gone; the reader side reports it
-                return
 
     def fileno(self) -> int:
         return self.outbox.fileno()
@@ -226,7 +217,7 @@ class CoreLink:
         """Leave: the core aborts this front end's requests (and stops once every front end left)."""
         self.send(("stop",))
         self._sendq.put(None)
-        self._writer.join(timeout)
+        self._sendq.join(timeout)
         self.close()
 
     def close(self) -> None:
@@ -275,7 +266,7 @@ class CoreProcess(CoreLink):
         if self.process.is_alive():
             self.send(("stop",))
         self._sendq.put(None)
-        self._writer.join(timeout)
+        self._sendq.join(timeout)
         self.process.join(timeout)
         self.kill()
 
