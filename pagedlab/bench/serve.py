@@ -389,8 +389,9 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     else:
         counters = engine_counters(url)
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
+        client = await make_client(how)
         t0, start, cpu = time.perf_counter(), time.monotonic(), time.process_time()
-        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1))
+        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client)
         duration, cpus = time.perf_counter() - t0, [time.process_time() - cpu]
         bar.close()
         after = engine_counters(url)
@@ -433,20 +434,25 @@ def busy_text(r: dict) -> str:
             f"{b['span_s']:.2f} s and done {1e3 * b['end_s']:.0f} ms before the last answer{more}")
 
 
-async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
-                   done=None) -> list[Result]:
-    """One client (one event loop, its own connections): each job sent at start + its arrival time
-    (perf_counter clock), every stream read concurrently."""
+async def make_client(how: dict):
+    """The HTTP client of one client process or loop, and its send function: built BEFORE a run's
+    clock starts (importing httpx and building its client take tens of ms, ~80 ms on a 2-core CPU:
+    client work, not the server's, and until session 20 they were counted in a burst's duration)."""
     import httpx
     if client_library() == "aiohttp":
         import aiohttp
-        client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=how["timeout_s"]),
-                                       connector=aiohttp.TCPConnector(limit=0))
-        one = send_aiohttp
-    else:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        client = httpx.AsyncClient(timeout=httpx.Timeout(how["timeout_s"]), limits=limits)
-        one = send
+        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=how["timeout_s"]),
+                                     connector=aiohttp.TCPConnector(limit=0)), send_aiohttp
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=httpx.Timeout(how["timeout_s"]), limits=limits), send
+
+
+async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
+                   done=None, client=None) -> list[Result]:
+    """One client (one event loop, its own connections): each job sent at start + its arrival time
+    (perf_counter clock), every stream read concurrently. client: make_client's (client, send),
+    built before `start`; default: built here."""
+    client, one = client or await make_client(how)
     async with client:
         tasks = []
         for job, at in zip(jobs, times):
@@ -518,13 +524,18 @@ def _from_clients(q, workers):
 
 
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
+    loop = asyncio.new_event_loop()              # the loop and the HTTP client are ready before
+    client = loop.run_until_complete(make_client(how))   # the common start: it times the server
     ready.put(i)
     go.wait()
     delay = start_at.value - time.monotonic()
     if delay > 0:
         time.sleep(delay)
     start, cpu = time.perf_counter(), time.process_time()
-    res = asyncio.run(send_all(url, model, jobs, times, how, start))
+    try:
+        res = loop.run_until_complete(send_all(url, model, jobs, times, how, start, client=client))
+    finally:
+        loop.close()
     results.put((i, res, time.monotonic(), time.process_time() - cpu))
 
 
