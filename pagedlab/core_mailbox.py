@@ -75,9 +75,7 @@ class Mailbox:
         self.live = list(range(self.n))               # the front ends that have not left
         self.stats_every_s = stats_every_s
         self._last_sent = [0.0] * self.n
-        direct = os.environ.get("PAGEDLAB_CORE_DIRECT_SEND", "1") != "0"
-        self._queues = [(Outbox if direct else ThreadOutbox)(out, f"core-writer{f}")
-                        for f, out in enumerate(outboxes)]
+        self._queues = [outbox(out, f"core-writer{f}") for f, out in enumerate(outboxes)]
 
     @property
     def open(self) -> bool:
@@ -191,6 +189,18 @@ def frame(msg) -> bytes:
     return head + body
 
 
+def outbox(conn, name: str):
+    """The sending end of a pipe as an Outbox (written at once when there is room), or a
+    ThreadOutbox where that cannot be (PAGEDLAB_CORE_DIRECT_SEND=0, or no select.poll / no
+    non-blocking pipes: Windows)."""
+    if os.environ.get("PAGEDLAB_CORE_DIRECT_SEND", "1") != "0" and hasattr(select, "poll"):
+        try:
+            return Outbox(conn, name)
+        except OSError:
+            pass
+    return ThreadOutbox(conn, name)
+
+
 class Outbox:
     """The core's end of one front end's outbox pipe: put() writes now when the pipe has room (the
     caller's thread, no wait), and leaves the rest to a writer thread that waits for room. put(None):
@@ -199,7 +209,7 @@ class Outbox:
 
     def __init__(self, conn, name: str = "core-writer"):
         self._conn, self._fd = conn, conn.fileno()
-        os.set_blocking(self._fd, False)      # this end only: the front end's end stays blocking
+        os.set_blocking(self._fd, False)      # this end only: the reading end stays blocking
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()   # frames (memoryviews) not yet written
         self._wake = threading.Event()

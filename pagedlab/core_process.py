@@ -36,7 +36,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from .core_mailbox import Outbox, ThreadOutbox, pipe_ready
+from .core_mailbox import outbox as make_outbox, pipe_ready
 
 READY_TIMEOUT_S = 1800.0      # loading a model (and compiling kernels) before the core answers
 IDLE_SLICE_S = 0.25           # an idle core sends its stats this often (idle time in /metrics)
@@ -169,8 +169,7 @@ class CoreLink:
         self.dead: str | None = None     # why the core is gone, once it is
         # adds and aborts: written at once by the caller's thread (the event loop) when the pipe has
         # room, the rest by a writer thread (core_mailbox.Outbox), so the loop never waits on a pipe
-        direct = os.environ.get("PAGEDLAB_CORE_DIRECT_SEND", "1") != "0"
-        self._sendq = (Outbox if direct else ThreadOutbox)(inbox, f"{name}-writer")
+        self._sendq = make_outbox(inbox, f"{name}-writer")
         self._ready = pipe_ready(outbox)          # "is a message waiting?", before every recv
 
     def take_ready(self) -> CoreInfo:
