@@ -36,7 +36,7 @@ def test_verify_steps_replay_graphs_and_match_the_plain_engine(fused_rows, monke
     assert graphs is not None and graphs.capture and 6 * 5 in graphs.sizes   # (and prompt sizes past it)
     replayed = []
     launch = graphs.launch
-    graphs.launch = lambda rows: replayed.append(len(rows)) or launch(rows)
+    graphs.launch = lambda rows, *a: replayed.append(len(rows)) or launch(rows, *a)
     got = llm.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.num_spec_accepted for o in got) > 50
