@@ -86,7 +86,7 @@ def test_length_limits_and_requests_added_between_steps():
 
 def test_sampling_steps_are_not_overlapped(monkeypatch):
     """Non-greedy sampling reads its tokens on the host side of the step unless
-    ModelRunner.RUN_AHEAD_SAMPLED (off by default): no overlap, and the same seeded outputs as the
+    ModelRunner.RUN_AHEAD_SAMPLED (on by default; off here): no overlap, and the same seeded outputs as the
     plain engine."""
     from pagedlab.runner import ModelRunner
     monkeypatch.setattr(ModelRunner, "RUN_AHEAD_SAMPLED", False)
