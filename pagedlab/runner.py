@@ -99,6 +99,8 @@ class ModelRunner:
                                       self.device, kv_cache.null_block)
         # eager steps run at a bucketed row count on CUDA (padding tokens, see _host_inputs)
         self.pad_rows = self.device.type == "cuda"
+        # sampled rows drawn in one pass over the logits (kernels/gumbel_sample.py) on CUDA
+        self.fused_sampling = self.FUSED_SAMPLING and self.device.type == "cuda"
         self.graphs = None
         self.spec_fused_rows = None     # the kernels/gemv.py fused_rows mode of the few-row graphs
         if cuda_graphs == "eager" or (cuda_graphs and self.device.type == "cuda"):
@@ -169,6 +171,10 @@ class ModelRunner:
     # 24,178 tokens/s, TTFT p99 1,805 against 2,023 ms; served 25,550 against 23,186 (docs/serving.md).
     # PAGEDLAB_RUN_AHEAD_SAMPLED=0 at import turns it off.
     RUN_AHEAD_SAMPLED = os.environ.get("PAGEDLAB_RUN_AHEAD_SAMPLED", "1") != "0"
+    # Sampled rows without top-k / top-p / min-p: the Gumbel-max draw in one Triton pass over the
+    # logits instead of ~30 torch passes (on CUDA; the same tokens: tests/test_gumbel_sample.py,
+    # tests/test_gpu_sampling.py). PAGEDLAB_FUSED_SAMPLING=0 at import: torch's sample() always.
+    FUSED_SAMPLING = os.environ.get("PAGEDLAB_FUSED_SAMPLING", "1") != "0"
 
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 128
@@ -388,15 +394,33 @@ class ModelRunner:
         logits = logits.float()
         if any(p.has_penalties for p in ps):
             logits = self._penalize(logits, reqs)
+        temperature = torch.tensor([float(p.temperature) for p in ps], device=dev)
+        seeds = torch.tensor([r.seed for r in reqs], device=dev)
+        positions = torch.tensor([r.num_tokens for r in reqs] if offsets is None else
+                                 [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev)
+        all_greedy = all(p.greedy for p in ps)
+        filtered = [i for i, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
+        if self.fused_sampling and not all_greedy and len(filtered) < len(ps):
+            # one pass over the logits (kernels/gumbel_sample.py) for the rows with no top-k /
+            # top-p / min-p; rows with them are drawn by sample() apart, so a row's token never
+            # depends on which way its batch-mates go
+            from .kernels.gumbel_sample import gumbel_argmax_triton
+            tokens = gumbel_argmax_triton(logits, temperature, seeds, positions)
+            if filtered:
+                idx = torch.tensor(filtered, device=dev)
+                sub = [ps[i] for i in filtered]
+                tokens[idx] = sample(
+                    logits[idx], temperature[idx], torch.tensor([p.top_k for p in sub], device=dev),
+                    torch.tensor([float(p.top_p) for p in sub], device=dev), seeds[idx], positions[idx],
+                    any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in sub),
+                    min_p=torch.tensor([p.min_p for p in sub], device=dev) if any(p.min_p > 0 for p in sub)
+                    else None)
+            return tokens
         return sample(
-            logits,
-            temperature=torch.tensor([float(p.temperature) for p in ps], device=dev),
+            logits, temperature=temperature,
             top_k=torch.tensor([p.top_k for p in ps], device=dev),
             top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
-            seeds=torch.tensor([r.seed for r in reqs], device=dev),
-            positions=torch.tensor([r.num_tokens for r in reqs] if offsets is None else
-                                   [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev),
-            all_greedy=all(p.greedy for p in ps),
+            seeds=seeds, positions=positions, all_greedy=all_greedy,
             any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
             min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)
 

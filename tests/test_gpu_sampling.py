@@ -85,3 +85,36 @@ def test_sampled_steps_run_ahead_on_captured_graphs(ckpt, monkeypatch):
     assert got == want
     assert llm.engine.num_overlapped > 0
     assert llm.engine.scheduler.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("b,v", [(1, 128256), (3, 50001), (64, 32000), (256, 128256)])
+def test_fused_gumbel_draw_is_the_torch_draw_on_the_gpu(b, v):
+    """kernels/gumbel_sample.py against sampling.sample on CUDA: the same token in every row (the
+    hash in uint32, div_rn, libdevice's logf -- torch's own rounding), greedy rows the argmax."""
+    from pagedlab.kernels.gumbel_sample import gumbel_argmax_torch, gumbel_argmax_triton
+    g = torch.Generator(device="cuda").manual_seed(b + v)
+    logits = torch.randn(b, v, device="cuda", generator=g) * 4
+    temp = torch.tensor([0.0, 1.0, 0.6, 1.5, 0.05] * 60, device="cuda")[:b]
+    seeds = torch.randint(0, 2**31, (b,), device="cuda", generator=g)
+    pos = torch.randint(0, 2**31 - 1, (b,), device="cuda", generator=g)
+    want = gumbel_argmax_torch(logits, temp, seeds, pos)
+    got = gumbel_argmax_triton(logits, temp, seeds, pos)
+    assert got.tolist() == want.tolist()
+
+
+def test_fused_sampling_gives_the_torch_tokens_in_the_engine(ckpt):
+    """The engine with ModelRunner.fused_sampling on and off: the same tokens for mixed sampling
+    parameters (rows with top-k / top-p / min-p drawn by sample() apart)."""
+    from pagedlab import SamplingParams
+    rng, rnd = torch.Generator().manual_seed(6), random.Random(6)
+    prompts = random_prompts(14, VOCAB, rng, lo=2, hi=40)
+    params = [SamplingParams(max_tokens=rnd.randint(4, 24), ignore_eos=True, seed=rnd.randrange(1000),
+                             temperature=rnd.choice([0.0, 0.7, 1.2]), top_k=rnd.choice([0, 0, 20]),
+                             top_p=rnd.choice([1.0, 1.0, 0.9]), min_p=rnd.choice([0.0, 0.0, 0.05]))
+              for _ in prompts]
+    llm = make(ckpt)
+    assert llm.engine.runner.fused_sampling
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.runner.fused_sampling = False
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
