@@ -172,9 +172,12 @@ class ModelRunner:
     # PAGEDLAB_RUN_AHEAD_SAMPLED=0 at import turns it off.
     RUN_AHEAD_SAMPLED = os.environ.get("PAGEDLAB_RUN_AHEAD_SAMPLED", "1") != "0"
     # Sampled rows without top-k / top-p / min-p: the Gumbel-max draw in one Triton pass over the
-    # logits instead of ~30 torch passes (on CUDA; the same tokens: tests/test_gumbel_sample.py,
-    # tests/test_gpu_sampling.py). PAGEDLAB_FUSED_SAMPLING=0 at import: torch's sample() always.
-    FUSED_SAMPLING = os.environ.get("PAGEDLAB_FUSED_SAMPLING", "1") != "0"
+    # logits instead of ~30 torch passes (kernels/gumbel_sample.py; H200: 142 against 2,654 us at
+    # 256 rows x 128,256, the same tokens). OFF by default: the GPU suite run with it on (session
+    # 20) died of an illegal address whose test and kernel were not found, and the served sampled
+    # burst did not move with it (the step's time was the host's blocking copies, fixed after that
+    # run). PAGEDLAB_FUSED_SAMPLING=1 at import turns it on.
+    FUSED_SAMPLING = os.environ.get("PAGEDLAB_FUSED_SAMPLING", "0") == "1"
 
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 128
@@ -394,11 +397,21 @@ class ModelRunner:
         logits = logits.float()
         if any(p.has_penalties for p in ps):
             logits = self._penalize(logits, reqs)
-        temperature = torch.tensor([float(p.temperature) for p in ps], device=dev)
-        seeds = torch.tensor([r.seed for r in reqs], device=dev)
-        positions = torch.tensor([r.num_tokens for r in reqs] if offsets is None else
-                                 [r.num_tokens + o for r, o in zip(reqs, offsets)], device=dev)
+        if all(p.greedy for p in ps):
+            return logits.argmax(dim=-1)
+        # every row's sampling inputs reach the device in two copies that do not wait for it: a
+        # torch.tensor(list, device="cuda") is a blocking copy, which waits for everything queued
+        # before it (the step's replay) -- five of them a sampled step held the host until the GPU
+        # was done (H200: launch 3.4 ms of a 4.3 ms decode-only step at temperature 1, session 20)
+        pos = ([r.num_tokens for r in reqs] if offsets is None else
+               [r.num_tokens + o for r, o in zip(reqs, offsets)])
+        ints = torch.tensor([[r.seed for r in reqs], pos, [p.top_k for p in ps]], dtype=torch.int64)
+        reals = torch.tensor([[float(p.temperature) for p in ps], [float(p.top_p) for p in ps],
+                              [float(p.min_p) for p in ps]], dtype=torch.float32)
+        (seeds, positions, top_k), (temperature, top_p, min_p) = (
+            ints.to(dev, non_blocking=True), reals.to(dev, non_blocking=True))
         all_greedy = all(p.greedy for p in ps)
+        any_min_p = any(p.min_p > 0 for p in ps)
         filtered = [i for i, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
         if self.fused_sampling and not all_greedy and len(filtered) < len(ps):
             # one pass over the logits (kernels/gumbel_sample.py) for the rows with no top-k /
@@ -407,22 +420,16 @@ class ModelRunner:
             from .kernels.gumbel_sample import gumbel_argmax_triton
             tokens = gumbel_argmax_triton(logits, temperature, seeds, positions)
             if filtered:
-                idx = torch.tensor(filtered, device=dev)
+                idx = torch.tensor(filtered).to(dev, non_blocking=True)
                 sub = [ps[i] for i in filtered]
                 tokens[idx] = sample(
-                    logits[idx], temperature[idx], torch.tensor([p.top_k for p in sub], device=dev),
-                    torch.tensor([float(p.top_p) for p in sub], device=dev), seeds[idx], positions[idx],
+                    logits[idx], temperature[idx], top_k[idx], top_p[idx], seeds[idx], positions[idx],
                     any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in sub),
-                    min_p=torch.tensor([p.min_p for p in sub], device=dev) if any(p.min_p > 0 for p in sub)
-                    else None)
+                    min_p=min_p[idx] if any_min_p else None)
             return tokens
-        return sample(
-            logits, temperature=temperature,
-            top_k=torch.tensor([p.top_k for p in ps], device=dev),
-            top_p=torch.tensor([float(p.top_p) for p in ps], device=dev),
-            seeds=seeds, positions=positions, all_greedy=all_greedy,
-            any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in ps),
-            min_p=torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps) else None)
+        return sample(logits, temperature, top_k, top_p, seeds, positions, all_greedy=all_greedy,
+                      any_top_filter=bool(filtered) and any(p.top_k > 0 or p.top_p < 1 for p in ps),
+                      min_p=min_p if any_min_p else None)
 
     def _penalize(self, logits, reqs):
         """Presence / frequency / repetition penalties on the rows that have them (one device copy
@@ -433,8 +440,9 @@ class ModelRunner:
         out_counts = token_counts([r.output_token_ids for r in sub], v, dev)
         seen = (out_counts + token_counts([r.prompt_token_ids for r in sub], v, dev)) > 0
         knobs = torch.tensor([[r.params.presence_penalty, r.params.frequency_penalty,
-                               r.params.repetition_penalty] for r in sub], dtype=torch.float32).to(dev)
-        idx = torch.tensor(rows, device=dev)
+                               r.params.repetition_penalty] for r in sub], dtype=torch.float32)
+        knobs = knobs.to(dev, non_blocking=True)
+        idx = torch.tensor(rows).to(dev, non_blocking=True)
         logits = logits.clone()
         logits[idx] = apply_penalties(logits[idx], out_counts, seen, knobs[:, 0], knobs[:, 1], knobs[:, 2])
         return logits

@@ -210,7 +210,8 @@ def token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch
     """[B, V] float32: how often each token occurs in each row's list. All rows' ids reach the
     device in one copy and are counted by one scatter-add (no loop over rows on the device)."""
     rows = [i for i, ids in enumerate(token_lists) for _ in range(len(ids))]
-    flat = torch.tensor([rows, [t for ids in token_lists for t in ids]], dtype=torch.int64).to(device)
+    flat = torch.tensor([rows, [t for ids in token_lists for t in ids]], dtype=torch.int64)
+    flat = flat.to(device, non_blocking=True)
     counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
     return counts.index_put_((flat[0], flat[1]), torch.ones_like(flat[0], dtype=torch.float32),
                              accumulate=True)
