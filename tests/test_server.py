@@ -230,10 +230,11 @@ import sys, httpx
 body = {"model": sys.argv[2], "prompt": list(range(3, 30)), "max_tokens": int(sys.argv[3]), "temperature": 0,
         "stream": True, "ignore_eos": True}
 with httpx.stream("POST", sys.argv[1] + "/v1/completions", json=body, timeout=60) as r:
-    for line in r.iter_lines():
-        if line.startswith("data: {"):
-            print(line, flush=True)      # the first event: a token (or an error, said as it is)
-            break
+    lines = r.iter_lines()    # held: a line iterator dropped after `break` is closed at once, and
+    for line in lines:        # closing it closes the connection -- the client would have left
+        if line.startswith("data: {"):      # (the server then aborts the request: this test's
+            print(line, flush=True)         # flake of sessions 16-20, the abort winning the race)
+            break                           # the first event: a token (or an error, said as it is)
     import time
     time.sleep(600)
 """
