@@ -217,3 +217,44 @@ def test_sampled_steps_run_ahead_and_give_the_same_tokens(monkeypatch, slots, nu
     assert got == want
     assert any(not p.greedy for ps in ahead for p in ps), "no sampled step ran ahead: the test checks nothing"
 
+
+
+def test_sampled_steps_send_their_inputs_without_waiting(monkeypatch):
+    """runner._device_tokens moves the rows' sampling inputs (and the penalties') to the device only
+    with non-blocking copies: torch.tensor(list, device=...) or a blocking .to() waits on CUDA for
+    everything queued before it (the step's replay), which kept sampled steps from overlapping
+    (H200, session 20). Checked on CPU by watching every tensor creation and copy the step makes."""
+    import pagedlab.runner as runner_mod
+    from pagedlab.runner import ModelRunner
+    llm = tiny_llm(max_num_seqs=4, num_blocks=64)
+    blocking = []
+    real_to, real_tensor = torch.Tensor.to, torch.tensor
+
+    def to(self, *a, **kw):
+        if (a and isinstance(a[0], (torch.device, str))) or "device" in kw:
+            if not kw.get("non_blocking", False):
+                blocking.append("Tensor.to")
+        return real_to(self, *a, **kw)
+
+    def tensor(*a, **kw):
+        if kw.get("device") is not None:
+            blocking.append("torch.tensor(device=...)")
+        return real_tensor(*a, **kw)
+    real = ModelRunner._device_tokens
+
+    def watched(self, *a, **kw):
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(runner_mod.torch, "tensor", tensor)
+        try:
+            return real(self, *a, **kw)
+        finally:
+            monkeypatch.setattr(torch.Tensor, "to", real_to)
+            monkeypatch.setattr(runner_mod.torch, "tensor", real_tensor)
+    monkeypatch.setattr(ModelRunner, "_device_tokens", watched)
+    params = [SamplingParams(max_new_tokens=5, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=1.1, top_p=0.9, top_k=7, seed=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=5, temperature=0.7, min_p=0.1, presence_penalty=0.5, seed=3,
+                             ignore_eos=True)]
+    outs = llm.generate([[4, 5, 6], [7, 8], [9, 10, 11, 12]], params)
+    assert all(len(o.token_ids) == 5 for o in outs)
+    assert blocking == []
