@@ -437,6 +437,33 @@ def front_ends_table() -> list[dict]:
     return rows
 
 
+# the same burst, server and engine, before and after the benchmark's clock was fixed (session 20)
+CLOCK_RUNS = (("serve_s19_run_ahead_on.json", "clients built after the start"),
+              ("serve_s20_direct_off.json", "clients ready before the start"))
+
+
+def clock_table() -> list[dict]:
+    """The committed H200 bursts of docs/serving.md sessions 19 and 20 (the same 512 requests, one
+    front end, four client processes, the core writing through its writer thread): one row per
+    burst -- served/offline, TTFT p99 against the same command's offline passes, and (session 20)
+    when the core started after the first request. Until session 20 each client process imported
+    its HTTP library and built its client after the common start, and the burst's clock counted it."""
+    from .data import load_json
+    rows = []
+    for name, clock in CLOCK_RUNS:
+        d = load_json(name)
+        if d is None:
+            continue
+        off = d["offline"]
+        for i, r in enumerate(d["results"], 1):
+            busy = r.get("busy") or {}
+            rows.append(dict(file=name, clock=clock, burst=i, tokens_per_s=r["output_throughput"],
+                             served_over_offline=r["served_over_offline"], ttft_p99_ms=r["ttft_ms"]["p99"],
+                             offline_ttft_p99_ms=off["ttft_p99_ms_median"],
+                             core_start_ms=1e3 * busy["start_s"] if "start_s" in busy else None))
+    return rows
+
+
 def draw_frontends(n: int = 3):
     """`python -m pagedlab serve --api-servers n`: the parent, n front ends on one port, one engine
     core, and what crosses each front end's pipes: adds and aborts in, one step message out (only
