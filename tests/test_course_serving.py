@@ -241,3 +241,27 @@ def test_front_ends_table_is_read_from_the_committed_measurement():
         for r in mine:       # served/offline as the file computed it, against its own offline passes
             assert r["offline_ttft_p99_ms"] == d["offline"]["ttft_p99_ms_median"]
             assert abs(r["served_over_offline"] - r["tokens_per_s"] / r["offline_tokens_per_s"]) < 1e-6
+
+
+def test_clock_table_is_read_from_the_committed_bursts():
+    """Notebook 11's before/after of the benchmark's clock: one row per burst of each file, in the
+    files' order, the numbers the files' own; only session 20's bursts know the core's start."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    rows = course_serving.clock_table()
+    names = [name for name, _ in course_serving.CLOCK_RUNS]
+    assert [r["file"] for r in rows] == [n for n in names
+                                         for _ in json.loads((docs / n).read_text())["results"]]
+    for name in names:
+        d = json.loads((docs / name).read_text())
+        mine = [r for r in rows if r["file"] == name]
+        assert [r["tokens_per_s"] for r in mine] == [b["output_throughput"] for b in d["results"]]
+        assert [r["served_over_offline"] for r in mine] == [b["served_over_offline"] for b in d["results"]]
+        assert all(r["offline_ttft_p99_ms"] == d["offline"]["ttft_p99_ms_median"] for r in mine)
+        starts = [r["core_start_ms"] for r in mine]
+        if name.startswith("serve_s19"):
+            assert starts == [None] * len(mine)
+        else:
+            assert starts == [1e3 * b["busy"]["start_s"] for b in d["results"]] and all(0 < s < 1e3 for s in starts)
