@@ -410,10 +410,9 @@ class ModelRunner:
                               [float(p.min_p) for p in ps]], dtype=torch.float32)
         (seeds, positions, top_k), (temperature, top_p, min_p) = (
             ints.to(dev, non_blocking=True), reals.to(dev, non_blocking=True))
-        all_greedy = all(p.greedy for p in ps)
         any_min_p = any(p.min_p > 0 for p in ps)
         filtered = [i for i, p in enumerate(ps) if p.top_k > 0 or p.top_p < 1 or p.min_p > 0]
-        if self.fused_sampling and not all_greedy and len(filtered) < len(ps):
+        if self.fused_sampling and len(filtered) < len(ps):
             # one pass over the logits (kernels/gumbel_sample.py) for the rows with no top-k /
             # top-p / min-p; rows with them are drawn by sample() apart, so a row's token never
             # depends on which way its batch-mates go
@@ -427,7 +426,7 @@ class ModelRunner:
                     any_top_filter=any(p.top_k > 0 or p.top_p < 1 for p in sub),
                     min_p=min_p[idx] if any_min_p else None)
             return tokens
-        return sample(logits, temperature, top_k, top_p, seeds, positions, all_greedy=all_greedy,
+        return sample(logits, temperature, top_k, top_p, seeds, positions,
                       any_top_filter=bool(filtered) and any(p.top_k > 0 or p.top_p < 1 for p in ps),
                       min_p=min_p if any_min_p else None)
 
