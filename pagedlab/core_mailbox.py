@@ -202,10 +202,12 @@ def outbox(conn, name: str):
 
 
 class Outbox:
-    """The core's end of one front end's outbox pipe: put() writes now when the pipe has room (the
-    caller's thread, no wait), and leaves the rest to a writer thread that waits for room. put(None):
-    write what is left, then close. A front end that is gone: everything put is dropped (its inbox
-    tells the core it left)."""
+    """The sending end of one pipe (the core's outbox to a front end, or a front end's inbox to the
+    core): put() writes now when the pipe has room (the caller's thread, no wait) and leaves the
+    rest to a writer thread that waits for room. put(None): write what is left, then close. A
+    reader that is gone: everything put is dropped (the other direction tells that side it left).
+    The pipe's descriptor is only written and closed under one lock, and nothing writes once it is
+    closed, so a descriptor number the system hands out again is never written to."""
 
     def __init__(self, conn, name: str = "core-writer"):
         self._conn, self._fd = conn, conn.fileno()
@@ -228,12 +230,14 @@ class Outbox:
             return
         data = memoryview(frame(msg))
         with self._lock:
+            if self._gone:
+                return
             if not self._pending:             # nothing queued ahead of it: try the pipe now
                 try:
                     data = data[os.write(self._fd, data):]
                 except BlockingIOError:
                     pass
-                except OSError:               # the front end is gone
+                except OSError:               # the reader is gone
                     self._gone = True
                     return
                 if not data:
@@ -250,34 +254,43 @@ class Outbox:
             self._wake.wait()
             with self._lock:
                 self._wake.clear()
-                data = self._pending[0] if self._pending else None
-                closing = self._closing
-            if data is None:
-                if closing:
+                if self._gone:
                     break
-                continue
-            try:
-                poller.poll(1000)             # room in the pipe (or its reader gone: POLLERR)
-                n = os.write(self._fd, data)
-            except BlockingIOError:
-                self._wake.set()
-                continue
-            except OSError:
-                with self._lock:
+                if not self._pending:
+                    if self._closing:
+                        break
+                    continue
+            poller.poll(1000)                 # room in the pipe (or its reader gone: POLLERR)
+            with self._lock:                  # (written and popped under the lock: put() sees the
+                if self._gone:                # frame pending until it is whole, and close() never
+                    break                     # closes the descriptor under a write)
+                data = self._pending[0]
+                try:
+                    n = os.write(self._fd, data)
+                except BlockingIOError:
+                    n = 0
+                except OSError:
                     self._gone = True
                     self._pending.clear()
-                break
-            with self._lock:                  # popped only once whole: put() sees it pending until then
+                    break
                 if n < len(data):
                     self._pending[0] = data[n:]
                 else:
                     self._pending.popleft()
                 if self._pending or self._closing:
                     self._wake.set()
-        try:
-            self._conn.close()
-        except OSError:
-            pass
+        self.close()
+
+    def close(self) -> None:
+        """Close the pipe now (what is pending is dropped; the writer thread ends)."""
+        with self._lock:
+            self._gone = True
+            self._pending.clear()
+            try:
+                self._conn.close()
+            except OSError:
+                pass
+        self._wake.set()
 
     def join(self, timeout: float) -> None:
         self._writer.join(timeout)
@@ -288,11 +301,18 @@ class ThreadOutbox:
 
     def __init__(self, conn, name: str = "core-writer"):
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._conn = conn
         self._writer = threading.Thread(target=_write, args=(self._q, conn), name=name, daemon=True)
         self._writer.start()
 
     def put(self, msg) -> None:
         self._q.put(msg)
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
 
     def join(self, timeout: float) -> None:
         self._writer.join(timeout)

@@ -220,11 +220,11 @@ class CoreLink:
         self.close()
 
     def close(self) -> None:
-        for conn in (self._inbox, self.outbox):
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self._sendq.close()                  # the inbox (its outbox owns it), then the outbox
+        try:
+            self.outbox.close()
+        except OSError:
+            pass
 
 
 class CoreProcess(CoreLink):

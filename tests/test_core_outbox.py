@@ -100,3 +100,20 @@ def test_mailbox_hands_out_each_front_end_its_share(direct, monkeypatch):
     for r, _ in outs:
         with pytest.raises(EOFError):
             r.recv()
+
+
+def test_close_with_a_frame_pending_drops_it_and_the_writer_ends():
+    """A front end's link closed while the reader lags (CoreLink.close after a stop that timed out):
+    the pending frame is dropped, the descriptor closed once, the writer thread ends, later puts are
+    no-ops."""
+    r, w = pipe()
+    out = Outbox(w)
+    out.put(("step", b"y" * 300_000))     # more than the pipe holds
+    assert out._pending
+    out.close()
+    out.join(10)
+    assert not out._writer.is_alive() and w.closed
+    out.put(("step", 1))
+    with pytest.raises((EOFError, OSError)):   # part of the dropped frame at most, then end-of-file
+        while True:
+            r.recv()
