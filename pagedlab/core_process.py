@@ -116,8 +116,9 @@ def run_core(core, mailbox) -> None:
     """schedule -> run -> accept, with the front ends' messages read between steps (blocking only
     when idle), until every front end has left. Step outputs leave through the mailbox's outboxes
     (written at once when the pipe has room, else by a writer thread): a front end that reads late
-    never holds up a step (its messages queue here and it takes them all at once). Where the core's time goes (idle, inbox, steps, handing out) is
-    counted in core.timing, sent with every step's stats (/metrics)."""
+    never holds up a step (its messages queue here and it takes them all at once). Where the core's
+    time goes (idle, inbox, steps, handing out) is counted in core.timing, sent with every step's
+    stats (/metrics)."""
     timing = core.timing
     clock = time.perf_counter
     while mailbox.open:
@@ -164,7 +165,7 @@ class CoreLink:
     it is gone (its outbox reaches end-of-file)."""
 
     def __init__(self, inbox, outbox, name: str = "pagedlab-core"):
-        self._inbox, self.outbox = inbox, outbox
+        self.outbox = outbox
         self.info: CoreInfo | None = None
         self.dead: str | None = None     # why the core is gone, once it is
         # adds and aborts: written at once by the caller's thread (the event loop) when the pipe has
