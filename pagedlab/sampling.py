@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .kernels.counter_noise import counter_bits, counter_uniform  # noqa: F401 -- (re-exported)
+from .kernels.counter_noise import counter_bits, counter_uniform, gumbel_noise  # noqa: F401 -- (re-exported)
 from .validation import (INT32_MAX, SEED_LIMIT, ValidationError, check_bool, check_int, check_real,
                          check_seed, is_int, typed)
 
@@ -255,6 +255,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         drop |= ((probs.cumsum(dim=-1) - probs) > top_p[:, None]) & (top_p < 1)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
-    gumbel = -torch.log(-torch.log(counter_uniform(seeds, positions, v)))
+    gumbel = gumbel_noise(seeds, positions, v)
     sampled = (scaled + gumbel).argmax(dim=-1)
     return torch.where(temperature > 0, sampled, greedy)

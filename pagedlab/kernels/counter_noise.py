@@ -37,3 +37,9 @@ def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     top-k / top-p had masked it. Those values are clamped to the float32 just below 1."""
     u = (counter_bits(seeds, positions, vocab_size).float() + 0.5) / 4294967296.0
     return u.clamp_(max=_BELOW_ONE)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, V] from counter_uniform: argmax(logits / t + this) draws from
+    softmax(logits / t) (the Gumbel-max trick)."""
+    return -torch.log(-torch.log(counter_uniform(seeds, positions, vocab_size)))

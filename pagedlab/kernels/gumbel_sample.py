@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .counter_noise import counter_uniform
+from .counter_noise import gumbel_noise
 from .launch import sm_count
 
 from triton.language.extra import libdevice      # its logf is what torch's CUDA log calls
@@ -40,7 +40,7 @@ def gumbel_argmax_torch(logits: torch.Tensor, temperature: torch.Tensor, seeds: 
     draw of sampling.sample (no top-k / top-p / min-p): argmax(logits / t + Gumbel noise)."""
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperature.clamp(min=1e-5)[:, None]
-    gumbel = -torch.log(-torch.log(counter_uniform(seeds, positions, logits.shape[1])))
+    gumbel = gumbel_noise(seeds, positions, logits.shape[1])
     return torch.where(temperature > 0, (scaled + gumbel).argmax(dim=-1), greedy)
 
 
