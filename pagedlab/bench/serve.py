@@ -251,8 +251,34 @@ async def send_aiohttp(session, url: str, model: str, job: Job, ignore_eos: bool
     return r
 
 
-def client_library() -> str:
-    """aiohttp when it is installed (the lighter client), else httpx."""
+async def send_raw(client, url: str, model: str, job: Job, ignore_eos: bool, stream: bool = True) -> Result:
+    """As send(), through the benchmark's own client (raw_http.py: one write per request)."""
+    r, data = Result(), json.dumps(request_body(model, job, ignore_eos, stream)).encode()
+    t0 = time.perf_counter()
+
+    async def one():
+        async with client.request("POST", "/v1/completions", data) as resp:
+            if resp.status != 200:
+                r.error = f"HTTP {resp.status}: {(await resp.read()).decode('utf-8', 'replace')[:200]}"
+            elif not stream:
+                read_whole(json.loads(await resp.read()), r, t0)
+            else:
+                await read_stream(resp.lines(), r, t0)
+    try:
+        await asyncio.wait_for(one(), client.timeout_s)
+    except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+CLIENTS = ("auto", "raw", "aiohttp", "httpx")
+
+
+def client_library(choice: str = "auto") -> str:
+    """--client: raw (raw_http.py), aiohttp, httpx; auto: aiohttp when it is installed (the
+    lighter of the two libraries), else httpx."""
+    if choice != "auto":
+        return choice
     try:
         import aiohttp  # noqa: F401
         return "aiohttp"
@@ -382,14 +408,15 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     event loop and connections, started together (see send_from_processes)."""
     from tqdm.auto import tqdm
     times = arrival_times(len(jobs), rate, args.seed)
-    how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream)
+    how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream,
+               preconnect=args.preconnect, client=args.client)
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
         results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
     else:
         counters = engine_counters(url)
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
-        client = await make_client(how)
+        client = await make_client(how, url, len(jobs))
         t0, start, cpu = time.perf_counter(), time.monotonic(), time.process_time()
         results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client)
         duration, cpus = time.perf_counter() - t0, [time.process_time() - cpu]
@@ -434,17 +461,38 @@ def busy_text(r: dict) -> str:
             f"{b['span_s']:.2f} s and done {1e3 * b['end_s']:.0f} ms before the last answer{more}")
 
 
-async def make_client(how: dict):
+async def make_client(how: dict, url: str | None = None, connections: int = 0):
     """The HTTP client of one client process or loop, and its send function: built BEFORE a run's
     clock starts (importing httpx and building its client take tens of ms, ~80 ms on a 2-core CPU:
-    client work, not the server's, and until session 20 they were counted in a burst's duration)."""
+    client work, not the server's, and until session 20 they were counted in a burst's duration).
+    how["preconnect"] (--preconnect): also open `connections` connections to `url` now, kept alive
+    for the run (GET /health on each), as an application's connection pool or a gateway holds them."""
+    library = client_library(how.get("client", "auto"))
+    if library == "raw":
+        from .raw_http import RawHTTP
+        client = RawHTTP(url)
+        client.timeout_s = how["timeout_s"]
+        if how.get("preconnect") and connections:
+            await client.preconnect(connections)
+        return client, send_raw
     import httpx
-    if client_library() == "aiohttp":
+    if library == "aiohttp":
         import aiohttp
-        return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=how["timeout_s"]),
-                                     connector=aiohttp.TCPConnector(limit=0)), send_aiohttp
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(timeout=httpx.Timeout(how["timeout_s"]), limits=limits), send
+        client, one = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=how["timeout_s"]),
+                                            connector=aiohttp.TCPConnector(limit=0)), send_aiohttp
+
+        async def touch():
+            async with client.get(f"{url}/health") as r:
+                await r.read()
+    else:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        client, one = httpx.AsyncClient(timeout=httpx.Timeout(how["timeout_s"]), limits=limits), send
+
+        async def touch():
+            await client.get(f"{url}/health")
+    if how.get("preconnect") and url and connections:
+        await asyncio.gather(*(touch() for _ in range(connections)))
+    return client, one
 
 
 async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
@@ -452,7 +500,7 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
     """One client (one event loop, its own connections): each job sent at start + its arrival time
     (perf_counter clock), every stream read concurrently. client: make_client's (client, send),
     built before `start`; default: built here."""
-    client, one = client or await make_client(how)
+    client, one = client or await make_client(how, url)
     async with client:
         tasks = []
         for job, at in zip(jobs, times):
@@ -525,7 +573,7 @@ def _from_clients(q, workers):
 
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
     loop = asyncio.new_event_loop()              # the loop and the HTTP client are ready before
-    client = loop.run_until_complete(make_client(how))   # the common start: it times the server
+    client = loop.run_until_complete(make_client(how, url, len(jobs)))   # the common start: it times the server
     ready.put(i)
     go.wait()
     delay = start_at.value - time.monotonic()
@@ -577,12 +625,13 @@ def plot(results: list[dict], path: Path, title: str) -> Path:
     return path
 
 
-def metadata(argv, url: str, server_models) -> dict:
+def metadata(argv, url: str, server_models, client: str = "auto") -> dict:
     import httpx
     return {"date": datetime.date.today().isoformat(),
             "time": datetime.datetime.now().isoformat(timespec="seconds"),
             "python": platform.python_version(), "httpx": httpx.__version__, "numpy": np.__version__,
-            "client_commit": git_commit(), "client": client_library(), "command": " ".join(["python -m pagedlab bench serve"] + list(argv)),
+            "client_commit": git_commit(), "client": client_library(client),
+            "command": " ".join(["python -m pagedlab bench serve"] + list(argv)),
             "url": url, "server_models": server_models}
 
 
@@ -638,6 +687,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="client processes sending each rate's requests (default 1); a list is taken in "
                         "turn across the rates: `--rate inf,inf --client-procs 1,4` sends the first burst "
                         "from one process and the second from four")
+    p.add_argument("--client", choices=CLIENTS, default="auto",
+                   help="the HTTP client: raw (the benchmark's own: one write per request, so that a "
+                        "burst leaves as a burst), aiohttp, httpx (default auto: aiohttp if installed, else httpx)")
+    p.add_argument("--preconnect", action="store_true",
+                   help="each client opens its connections before the clock starts (kept alive, as an "
+                        "application's connection pool or a gateway holds them): a burst then times its "
+                        "requests, not hundreds of TCP connections opened at once by a few Python processes")
     p.add_argument("--serve", default=None, metavar="ARGS",
                    help="start `python -m pagedlab serve ARGS` here first (on a free port; --url is "
                         "then ignored) and stop it at the end, e.g. \"--model random:llama-3.2-1b --slots 256\"")
@@ -705,7 +761,7 @@ def main(argv=None) -> int:
         url = server.url if server else args.url.rstrip("/")
         model, models = server_model(url, args.model)
         jobs = make_workload(args)
-        meta = metadata(argv, url, models)
+        meta = metadata(argv, url, models, args.client)
 
         async def everything():
             if args.warmup:
