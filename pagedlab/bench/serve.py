@@ -501,7 +501,7 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
     (perf_counter clock), every stream read concurrently. client: make_client's (client, send),
     built before `start`; default: built here."""
     client, one = client or await make_client(how, url)
-    async with client:
+    try:
         tasks = []
         for job, at in zip(jobs, times):
             delay = start + at - time.perf_counter()
@@ -512,6 +512,8 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
                 task.add_done_callback(lambda _t: done())
             tasks.append(task)
         return list(await asyncio.gather(*tasks))
+    finally:                  # (httpx's client, once used -- --preconnect --, cannot be entered again)
+        await (getattr(client, "aclose", None) or client.close)()
 
 
 def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict, procs: int,
