@@ -29,7 +29,11 @@ against the median of that process's passes after the first (--offline-passes N;
 such as `--rate inf,inf,inf` send several bursts to the one server).
 --no-stream asks for whole answers instead of server-sent events. --client-procs N sends each burst
 from N client processes (one Python process opening hundreds of connections is itself part of a
-burst's "way in"; a real burst comes from many clients). Each rate's line splits the engine's time
+burst's "way in"; a real burst comes from many clients). --client raw sends each request in ONE write
+through the benchmark's own HTTP/1.1 client (bench/raw_http.py: aiohttp and httpx run every request's
+first steps before any of them connects or writes, so a burst's first request leaves late), and
+--preconnect opens each client's connections before the clock (an application's pool, a gateway).
+Each rate's line splits the engine's time
 (core idle, inbox, hand-out, the front end's output work) and, per step, the host's phases:
 schedule, launch, read (waiting for the GPU), accept -- the offline pass's too.
 """
