@@ -75,11 +75,11 @@ class Response:
     def __init__(self, client: RawHTTP, message: bytes):
         self.client, self.message = client, message
         self.status, self.headers = 0, {}
-        self._done, self._keep, self._conn = False, True, None
+        self.done, self.keep, self.conn = False, True, None
 
     async def __aenter__(self) -> "Response":
         pool = self.client.idle
-        self._conn = reader, writer = pool.pop() if pool else await self.client.connect()
+        self.conn = reader, writer = pool.pop() if pool else await self.client.connect()
         writer.write(self.message)                       # the whole request in one write
         line = await reader.readline()
         parts = line.split(None, 2)
@@ -95,12 +95,12 @@ class Response:
             name, _, value = line.decode("latin-1").partition(":")
             self.headers[name.strip().lower()] = value.strip()
         if parts[0] == b"HTTP/1.0" or self.headers.get("connection", "").lower() == "close":
-            self._keep = False
+            self.keep = False
         return self
 
     async def chunks(self):
         """The body's bytes as they arrive."""
-        reader = self._conn[0]
+        reader = self.conn[0]
         if self.headers.get("transfer-encoding", "").lower() == "chunked":
             while True:
                 size_line = await reader.readline()
@@ -125,10 +125,10 @@ class Response:
                 left -= len(data)
                 yield data
         else:                                            # the body ends when the server closes
-            self._keep = False
+            self.keep = False
             while data := await reader.read(1 << 16):
                 yield data
-        self._done = True
+        self.done = True
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.chunks()])
@@ -145,8 +145,8 @@ class Response:
             yield rest.decode("utf-8", "replace")
 
     async def __aexit__(self, *exc):
-        reader, writer = self._conn
-        if self._done and self._keep and exc[0] is None:
-            self.client.idle.append(self._conn)          # read to its end: reusable
+        reader, writer = self.conn
+        if self.done and self.keep and exc[0] is None:
+            self.client.idle.append(self.conn)          # read to its end: reusable
         else:
             writer.close()
