@@ -173,11 +173,13 @@ class ModelRunner:
     RUN_AHEAD_SAMPLED = os.environ.get("PAGEDLAB_RUN_AHEAD_SAMPLED", "1") != "0"
     # Sampled rows without top-k / top-p / min-p: the Gumbel-max draw in one Triton pass over the
     # logits instead of ~30 torch passes (kernels/gumbel_sample.py; H200: 142 against 2,654 us at
-    # 256 rows x 128,256, the same tokens). OFF by default: the GPU suite run with it on (session
-    # 20) died of an illegal address whose test and kernel were not found, and the served sampled
-    # burst did not move with it (the step's time was the host's blocking copies, fixed after that
-    # run). PAGEDLAB_FUSED_SAMPLING=1 at import turns it on.
-    FUSED_SAMPLING = os.environ.get("PAGEDLAB_FUSED_SAMPLING", "0") == "1"
+    # 256 rows x 128,256, the same tokens). On since session 21: the GPU suite passed with it on and
+    # off side by side (94 and 94; session 20's one illegal address with it on did not come back),
+    # and the 512-request burst at temperature 1 ran offline at 43,187-43,931 tokens/s against
+    # 29,358 without it, served 40,420-44,676 against 25,546-30,023 (H200, docs/serving.md session
+    # 21): once the host no longer waited for the GPU (a90d13f), the sampling math was the step.
+    # PAGEDLAB_FUSED_SAMPLING=0 at import turns it off.
+    FUSED_SAMPLING = os.environ.get("PAGEDLAB_FUSED_SAMPLING", "1") != "0"
 
     GRAPH_PREFILL_ROWS = None
     GRAPH_PREFILL_AUTO = 128

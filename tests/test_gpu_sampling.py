@@ -113,7 +113,7 @@ def test_fused_sampling_gives_the_torch_tokens_in_the_engine(ckpt):
                              top_p=rnd.choice([1.0, 1.0, 0.9]), min_p=rnd.choice([0.0, 0.0, 0.05]))
               for _ in prompts]
     llm = make(ckpt)
-    llm.engine.runner.fused_sampling = True       # (off by default: docs/serving.md, session 20)
+    llm.engine.runner.fused_sampling = True       # (on by default since session 21; set both ways here)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.runner.fused_sampling = False
     want = [o.token_ids for o in llm.generate(prompts, params)]

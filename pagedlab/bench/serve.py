@@ -267,7 +267,11 @@ async def send_raw(client, url: str, model: str, job: Job, ignore_eos: bool, str
             elif not stream:
                 read_whole(json.loads(await resp.read()), r, t0)
             else:
-                await read_stream(resp.lines(), r, t0)
+                lines = resp.lines()
+                try:
+                    await read_stream(lines, r, t0)
+                finally:                # left at [DONE]: closed here, not by the loop's shutdown
+                    await lines.aclose()
     try:
         await asyncio.wait_for(one(), client.timeout_s)
     except Exception as e:          # noqa: BLE001 -- a failed request is a result, not a crash
