@@ -112,6 +112,29 @@ def test_a_burst_from_client_processes(server, tmp_path, capsys):
     assert min(one["client_cpu_s"] + two["client_cpu_s"]) >= 0
 
 
+@pytest.mark.parametrize("client,extra", [("raw", []), ("raw", ["--preconnect"]), ("raw", ["--no-stream"]),
+                                          ("httpx", ["--preconnect"])])
+def test_bench_serve_through_each_client(server, tmp_path, capsys, client, extra):
+    """Streams, whole answers, fresh and pre-opened connections, one and two client processes:
+    every request answered in full, the server's own token count equal to the client's."""
+    argv = ["--url", server.url, "--client", client, "--rate", "inf,5", "--client-procs", "2,1",
+            "--num-prompts", "6", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
+            "--ignore-eos", "--seed", "4", "--warmup", "0", "--out", str(tmp_path), "--no-progress", *extra]
+    before = generated_tokens(server)
+    assert bench.main(argv) == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "serve_bench.json").read_text())
+    jobs = bench.make_workload(bench.build_parser().parse_args(argv))
+    want = sum(j.output_len for j in jobs)
+    assert data["metadata"]["client"] == client
+    for r in data["results"]:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == [], r["errors"]
+        assert r["total_output_tokens"] == want
+        assert r["total_prompt_tokens"] == sum(len(j.prompt) for j in jobs)
+        assert 0 < r["ttft_ms"]["p50"] <= r["e2e_latency_ms"]["p99"]
+    assert generated_tokens(server) - before == 2 * want
+
+
 def test_a_client_process_that_dies_is_an_error_not_a_wait():
     import queue
     from types import SimpleNamespace as NS

@@ -1,21 +1,16 @@
 """The benchmark's own HTTP client (pagedlab/bench/raw_http.py, `bench serve --client raw`): bodies
 by Content-Length, chunked and until-close, lines split across chunks, connections reused only when
 a response was read to its end, broken answers as errors (a Result, not a crash) -- against canned
-servers -- and the whole benchmark through it against a real server, tokens counted once."""
+servers. The whole benchmark through it against a real server: tests/test_bench_serve.py."""
 from __future__ import annotations
 
 import asyncio
 import json
 
-import httpx
 import pytest
 
-from helpers import tiny_llm
 from pagedlab.bench import serve as bench
-from pagedlab.bench.raw_http import HTTPError, RawHTTP
-
-MODEL = "tiny-raw"
-
+from pagedlab.bench.raw_http import RawHTTP
 
 def canned(answers, close_after: bool = False):
     """Run `body(url, stats)` against a server that reads one request at a time per connection
@@ -147,40 +142,3 @@ def test_an_http_error_keeps_its_message():
 def test_only_plain_http(url):
     with pytest.raises(ValueError, match="plain http"):
         RawHTTP(url)
-
-
-@pytest.fixture(scope="module")
-def server():
-    from pagedlab.server import serve
-    s = serve(tiny_llm(max_num_seqs=4, num_blocks=96, dtype="float32"), model_name=MODEL, port=0)
-    yield s
-    s.stop()
-
-
-def generated_tokens(url) -> float:
-    text = httpx.get(url + "/metrics").text
-    return float(next(line.split()[-1] for line in text.splitlines()
-                      if line.startswith("pagedlab_generation_tokens_total")))
-
-
-@pytest.mark.parametrize("client,extra", [("raw", []), ("raw", ["--preconnect"]), ("raw", ["--no-stream"]),
-                                          ("httpx", ["--preconnect"])])
-def test_bench_serve_through_the_raw_client(server, tmp_path, capsys, client, extra):
-    """Streams, whole answers, fresh and pre-opened connections, one and two client processes:
-    every request answered in full, the server's own token count equal to the client's."""
-    argv = ["--url", server.url, "--client", client, "--rate", "inf,5", "--client-procs", "2,1",
-            "--num-prompts", "6", "--input-len", "10", "--output-len", "5", "--range-ratio", "0.5",
-            "--ignore-eos", "--seed", "4", "--warmup", "0", "--out", str(tmp_path), "--no-progress", *extra]
-    before = generated_tokens(server.url)
-    assert bench.main(argv) == 0
-    capsys.readouterr()
-    data = json.loads((tmp_path / "serve_bench.json").read_text())
-    jobs = bench.make_workload(bench.build_parser().parse_args(argv))
-    want = sum(j.output_len for j in jobs)
-    assert data["metadata"]["client"] == client
-    for r in data["results"]:
-        assert r["completed"] == 6 and r["failed"] == 0 and r["errors"] == [], r["errors"]
-        assert r["total_output_tokens"] == want
-        assert r["total_prompt_tokens"] == sum(len(j.prompt) for j in jobs)
-        assert 0 < r["ttft_ms"]["p50"] <= r["e2e_latency_ms"]["p99"]
-    assert generated_tokens(server.url) - before == 2 * want
