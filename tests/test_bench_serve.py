@@ -180,6 +180,7 @@ def test_poisson_arrivals_are_seeded():
     (["--trace", "/nonexistent/trace.jsonl"], "--trace"), (["--offline-passes", "1"], "--offline-passes"),
     (["--client-procs", "0"], "--client-procs"), (["--client-procs", "2,x"], "--client-procs"),
     (["--temperature", "-0.5"], "--temperature"), (["--temperature", "3"], "--temperature"),
+    (["--client-cpus", "x"], "--client-cpus"), (["--client-cpus", "0-4096"], "--client-cpus"),
 ])
 def test_bad_flags_are_one_line(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:

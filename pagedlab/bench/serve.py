@@ -44,6 +44,7 @@ import asyncio
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -417,7 +418,7 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     from tqdm.auto import tqdm
     times = arrival_times(len(jobs), rate, args.seed)
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream,
-               preconnect=args.preconnect, client=args.client)
+               preconnect=args.preconnect, client=args.client, cpus=list(how_cpus))
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
         results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
@@ -581,7 +582,12 @@ def _from_clients(q, workers):
                 raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
 
 
+how_cpus: list[int] = []          # --client-cpus, for the client processes (set by main)
+
+
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
+    if how.get("cpus"):
+        os.sched_setaffinity(0, how["cpus"])
     loop = asyncio.new_event_loop()              # the loop and the HTTP client are ready before
     client = loop.run_until_complete(make_client(how, url, len(jobs)))   # the common start: it times the server
     ready.put(i)
@@ -668,6 +674,26 @@ def parse_procs(text: str) -> list[int]:
     return procs
 
 
+def parse_cpus(text: str | None) -> set[int] | None:
+    """--client-cpus "12-15" or "0,2,4-6": the CPUs the client processes run on; the rest of the
+    machine is left to the server, its engine core and the offline pass."""
+    if not text:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        bad("--client-cpus needs os.sched_setaffinity (Linux)")
+    cpus = set()
+    try:
+        for part in str(text).split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        bad(f"--client-cpus must look like 12-15 or 0,2,4-6, got {text!r}")
+    mine = os.sched_getaffinity(0)
+    if not cpus or not cpus < mine:
+        bad(f"--client-cpus {text!r} must be some, not all, of this process's CPUs {sorted(mine)}")
+    return cpus
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pagedlab bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -700,6 +726,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client", choices=CLIENTS, default="auto",
                    help="the HTTP client: raw (the benchmark's own: one write per request, so that a "
                         "burst leaves as a burst), aiohttp, httpx (default auto: aiohttp if installed, else httpx)")
+    p.add_argument("--client-cpus", default=None, metavar="CPUS",
+                   help="run the client processes on these CPUs (e.g. 12-15) and the server, its engine "
+                        "core and the offline pass on the others: the clients then do not share the "
+                        "engine's host CPUs (Linux)")
     p.add_argument("--preconnect", action="store_true",
                    help="each client opens its connections before the clock starts (kept alive, as an "
                         "application's connection pool or a gateway holds them): a burst then times its "
@@ -762,10 +792,14 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     rates = check(args)
     procs = parse_procs(args.client_procs)
+    client_cpus = parse_cpus(args.client_cpus)
     if args.offline and not args.serve:
         bad("--offline needs --serve ARGS (the engine to run the same requests through)")
     if args.offline_passes < 2:
         bad(f"--offline-passes must be >= 2 (the first pass compiles), got {args.offline_passes}")
+    if client_cpus:                    # the server (started now), its core and the offline pass: the rest
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - client_cpus)
+        how_cpus[:] = sorted(client_cpus)
     server = start_server(args.serve) if args.serve else None
     try:
         url = server.url if server else args.url.rstrip("/")
