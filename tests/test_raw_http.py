@@ -117,8 +117,7 @@ def test_connection_close_and_until_close_bodies_are_not_reused():
 ])
 def test_a_broken_answer_is_an_error_result(answer, error):
     async def body_(url, stats):
-        client = RawHTTP(url)
-        client.timeout_s = 10.0
+        client = RawHTTP(url, timeout_s=10.0)
         job = bench.Job(prompt=[1, 2], input_len=2, output_len=3)
         r = await bench.send_raw(client, url, "m", job, True)
         return r, client.idle
@@ -131,8 +130,7 @@ def test_an_http_error_keeps_its_message():
     answer = b"HTTP/1.1 400 Bad Request\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg)
 
     async def body_(url, stats):
-        client = RawHTTP(url)
-        client.timeout_s = 10.0
+        client = RawHTTP(url, timeout_s=10.0)
         return await bench.send_raw(client, url, "m", bench.Job(prompt="p", input_len=1, output_len=2), False)
     r = asyncio.run(canned([answer])(body_))
     assert not r.ok and r.error.startswith("HTTP 400") and "too long" in r.error

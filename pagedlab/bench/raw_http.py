@@ -28,9 +28,10 @@ class HTTPError(Exception):
 
 
 class RawHTTP:
-    """A pool of HTTP/1.1 connections to one server (url: http://host:port[/base])."""
+    """A pool of HTTP/1.1 connections to one server (url: http://host:port[/base]); timeout_s: what
+    a whole request may take (send_raw's limit)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, timeout_s: float = 600.0):
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"the raw client speaks plain http://host:port only, got {url!r} "
@@ -38,6 +39,7 @@ class RawHTTP:
         self.host, self.port = parts.hostname, parts.port or 80
         self.base = parts.path.rstrip("/")
         self.authority = f"{self.host}:{self.port}"
+        self.timeout_s = timeout_s
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def connect(self):

@@ -418,7 +418,7 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     from tqdm.auto import tqdm
     times = arrival_times(len(jobs), rate, args.seed)
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream,
-               preconnect=args.preconnect, client=args.client, cpus=list(how_cpus))
+               preconnect=args.preconnect, client=args.client, cpus=getattr(args, "client_cpu_list", None))
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
         results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
@@ -479,8 +479,7 @@ async def make_client(how: dict, url: str | None = None, connections: int = 0):
     library = client_library(how.get("client", "auto"))
     if library == "raw":
         from .raw_http import RawHTTP
-        client = RawHTTP(url)
-        client.timeout_s = how["timeout_s"]
+        client = RawHTTP(url, how["timeout_s"])
         if how.get("preconnect") and connections:
             await client.preconnect(connections)
         return client, send_raw
@@ -580,9 +579,6 @@ def _from_clients(q, workers):
             dead = [w.exitcode for w in workers if w.exitcode not in (None, 0)]
             if dead:
                 raise RuntimeError(f"a client process died (exit code {dead[0]})") from None
-
-
-how_cpus: list[int] = []          # --client-cpus, for the client processes (set by main)
 
 
 def _client_process(i, url, model, jobs, times, how, ready, go, start_at, results) -> None:
@@ -799,7 +795,7 @@ def main(argv=None) -> int:
         bad(f"--offline-passes must be >= 2 (the first pass compiles), got {args.offline_passes}")
     if client_cpus:                    # the server (started now), its core and the offline pass: the rest
         os.sched_setaffinity(0, os.sched_getaffinity(0) - client_cpus)
-        how_cpus[:] = sorted(client_cpus)
+        args.client_cpu_list = sorted(client_cpus)  # for the client processes (run_rate)
     server = start_server(args.serve) if args.serve else None
     try:
         url = server.url if server else args.url.rstrip("/")
