@@ -146,6 +146,19 @@ def test_a_client_process_that_dies_is_an_error_not_a_wait():
         bench._from_clients(q, [alive, done, died])
 
 
+def test_failed_requests_are_counted_and_named_under_the_table():
+    from types import SimpleNamespace as NS
+    args = NS(slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+    ok = bench.Result(ok=True, ttft_s=0.1, latency_s=0.5, output_tokens=5, prompt_tokens=3, itl_s=[0.1] * 4)
+    bad = [bench.Result(error="HTTPError: not an HTTP/1.x status line: b''"), bench.Result(error="timeout")]
+    rows = [bench.summarize(16.0, [ok, ok, *bad], 2.0, args), bench.summarize(math.inf, [ok], 1.0, args)]
+    assert (rows[0]["completed"], rows[0]["failed"]) == (2, 2)
+    text = bench.table(rows)
+    assert " 2/4 " in text and " 1/1 " in text
+    failed = [line for line in text.splitlines() if "failed" in line]
+    assert failed == ["rate 16.0: 2 of 4 requests failed: HTTPError: not an HTTP/1.x status line: b''; timeout"]
+
+
 def test_word_prompts_and_a_trace(server, tmp_path, capsys):
     trace = tmp_path / "trace.jsonl"
     pairs = [(5, 3), (17, 2), (9, 4)]

@@ -109,6 +109,36 @@ def test_connection_close_and_until_close_bodies_are_not_reused():
     assert out == [b"x", b"until close"] and idle == 0 and conns == 2
 
 
+@pytest.mark.parametrize("pause_s", [0.0, 0.05])
+def test_a_kept_connection_the_server_closed_is_replaced(pause_s):
+    """A server that closes a kept-alive connection after its answer (as uvicorn does after 5 idle
+    seconds): the next request that takes it from the pool goes out again on a new connection --
+    whether the close was seen while it sat idle (pause) or only as the request was written."""
+    ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+    answers = [ok + b"a1", ok + b"b2", ok + b"c3"]
+
+    async def body_(url, stats):
+        out = []
+        async with RawHTTP(url, timeout_s=10.0) as client:
+            for _ in range(3):
+                async with client.request("POST", "/v1/x", b"{}") as r:
+                    out.append(await r.read())
+                await asyncio.sleep(pause_s)
+            return out, stats
+    out, stats = asyncio.run(canned(answers, close_after=True)(body_))
+    assert out == [b"a1", b"b2", b"c3"]
+    assert stats["connections"] == 3 and len(stats["requests"]) == 3   # each request reached it once
+
+
+def test_a_fresh_connection_closed_at_once_is_an_error_not_a_retry():
+    async def body_(url, stats):
+        client = RawHTTP(url, timeout_s=10.0)
+        r = await bench.send_raw(client, url, "m", bench.Job(prompt=[1], input_len=1, output_len=2), True)
+        return r, stats
+    r, stats = asyncio.run(canned([b""], close_after=True)(body_))
+    assert not r.ok and "status line" in r.error and stats["connections"] == 1
+
+
 @pytest.mark.parametrize("answer,error", [
     (SSE_HEAD + b"10\r\ndata: {\"choi", "closed inside"),                 # cut inside a chunk
     (b"HTTP/1.1 200 OK\r\ncontent-length: 50\r\n\r\nshort", "Content-Length"),

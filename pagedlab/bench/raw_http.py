@@ -12,7 +12,7 @@ Here a request is a connection (a kept-alive one from the pool, else a new one),
 headers and body, then the response read as it arrives: the status line, the headers, a body by
 Content-Length, chunked transfer encoding (what servers stream server-sent events with) or until
 the server closes. Plain http:// only; a connection whose response was read to its end goes back
-to the pool. That is all a benchmark of an OpenAI-compatible server needs.
+to the pool, and a pooled one the server has closed since (its keep-alive timeout) is replaced. That is all a benchmark of an OpenAI-compatible server needs.
 """
 from __future__ import annotations
 
@@ -81,9 +81,25 @@ class Response:
 
     async def __aenter__(self) -> "Response":
         pool = self.client.idle
-        self.conn = reader, writer = pool.pop() if pool else await self.client.connect()
-        writer.write(self.message)                       # the whole request in one write
-        line = await reader.readline()
+        while True:
+            reused = bool(pool)
+            self.conn = reader, writer = pool.pop() if reused else await self.client.connect()
+            if reused and reader.at_eof():               # the server closed it while it sat idle
+                writer.close()
+                continue
+            try:
+                writer.write(self.message)               # the whole request in one write
+                line = await reader.readline()
+            except ConnectionError:
+                if not reused:
+                    raise
+                line = b""
+            if line or not reused:
+                break
+            # a kept connection that the server closed as we wrote (its keep-alive timeout: uvicorn's
+            # is 5 s, and a Poisson run leaves pooled connections idle longer): nothing came back,
+            # so the request goes again on the next one -- what urllib3 and aiohttp do
+            writer.close()
         parts = line.split(None, 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
             raise HTTPError(f"not an HTTP/1.x status line: {line[:80]!r}")

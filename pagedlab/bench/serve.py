@@ -874,8 +874,11 @@ def table(results: list[dict]) -> str:
                     f"{f(r['tpot_ms']['p50']):>9} {f(r['tpot_ms']['p99']):>8} {f(r['itl_ms']['p50']):>8} "
                     f"{r['goodput']:8.2f} {f(r.get('engine_step_ms')):>8} {f(r.get('engine_batch')):>6} "
                     f"{r.get('client_procs', 1):>7}")
-    return "\n".join(rows) + ("\n(latencies in ms; goodput: requests/s within the SLO; step ms / batch: the "
-                              "engine's mean step and decode batch during the run, from /metrics; clients: client processes)")
+    failed = [f"rate {r['rate']}: {r['failed']} of {r['requested']} requests failed: " + "; ".join(r["errors"])
+              for r in results if r["failed"]]
+    return "\n".join(rows + failed) + ("\n(latencies in ms; goodput: requests/s within the SLO; step ms / batch: the "
+                                       "engine's mean step and decode batch during the run, from /metrics; clients: "
+                                       "client processes)")
 
 
 # -- the server and the offline run, in this command ----------------------------------------------
