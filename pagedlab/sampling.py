@@ -109,6 +109,11 @@ class SamplingParams:
             _bad("n", "1 with temperature=0 (greedy, the default here: every sample would be the same "
                  "answer)", self.n, ": set temperature > 0 (vLLM's default is 1.0) to sample different ones")
         put(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True, owner=o))
+        # the three questions the scheduler and the runner ask of every request in every step, answered
+        # once (the fields are frozen): (has_penalties, plain_greedy, chosen_on_device)
+        penalties = bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        put(self, "_asked", (penalties, self.temperature == 0 and not penalties and self.logprobs is None,
+                             not penalties and self.logprobs is None))
 
     def samples(self) -> list["SamplingParams"]:
         """The n samples of a prompt as n requests' params: n = 1 each, and with a seed, seeds seed,
@@ -126,14 +131,14 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+        return self._asked[0]
 
     @property
     def plain_greedy(self) -> bool:
         """The next token is the argmax of the raw logits and nothing else is read from them (no
         penalties, no logprobs): what a CUDA graph can choose on its own and the overlap loop can
         run ahead of."""
-        return self.temperature == 0 and not self.has_penalties and self.logprobs is None
+        return self._asked[1]
 
     @property
     def chosen_on_device(self) -> bool:
@@ -141,7 +146,7 @@ class SamplingParams:
         nothing else (no penalties, which read the output so far on the host; no logprobs, which
         are read back with the token): greedy or sampled, the device can choose it alone, so the
         overlap loop may run ahead of it (runner.ModelRunner.RUN_AHEAD_SAMPLED)."""
-        return not self.has_penalties and self.logprobs is None
+        return self._asked[2]
 
 
 

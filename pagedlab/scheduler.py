@@ -249,11 +249,12 @@ class Scheduler:
         computed: while the next step runs). One deferred section (a block is named in two dicts)."""
         if not self.prefix_caching:
             return
-        bs = self.block_size
+        bs, running = self.block_size, RequestStatus.RUNNING
         for r in batch.prefill + batch.decode:
-            if r.status is not RequestStatus.RUNNING:
+            if r.status is not running:
                 continue
-            self._register_full_blocks(r)
+            if min(r.num_computed, len(r.prompt_token_ids) + len(r.output_token_ids)) // bs > r.num_registered_blocks:
+                self._register_full_blocks(r)      # (its own first test, here: most steps fill no block)
             n = r.num_computed + r.num_scheduled
             if n // bs > len(r.block_keys):
                 full = min(n, r.num_known_tokens) // bs
@@ -320,20 +321,24 @@ class Scheduler:
         step = Batch()
         # 1. decodes: room for each one's next token; oldest first, the newest is preempted.
         caching, bs = self.prefix_caching, self.block_size
+        own_room = type(self).make_room is Scheduler.make_room   # (not a plugged preemption choice)
+        running, ends = RequestStatus.RUNNING, self.RUN_AHEAD_PAST_ENDS
         for req in list(self.admitted):
-            if req.status is not RequestStatus.RUNNING or req.num_tokens - req.num_computed != 1:
+            n = req.num_tokens                      # (this loop runs for every request, every step)
+            if req.status is not running or n - req.num_computed != 1:
                 continue
-            if self.ends_in_flight(req):
-                continue                            # its last token is in flight: nothing to run
-            if self.make_room(req, step):
-                req.num_scheduled = 1
+            if ends and req.num_in_flight and (n - len(req.prompt_token_ids) >= req.params.max_new_tokens
+                                               or n >= self.max_model_len):
+                continue                            # its last token is in flight: nothing to run (ends_in_flight)
+            if (own_room and -(-n // bs) <= len(req.blocks)) or self.make_room(req, step):
+                req.num_scheduled = 1               # (its blocks hold its next token already)
                 step.decode.append(req)
         if self.speculator is not None:             # guesses for the decodes: one more row each
             self.speculator.plan(self, step)
         budget = self.max_num_batched_tokens - len(step.decode) - sum(len(r.spec_token_ids) for r in step.decode)
         # 2. prefills that did not finish in earlier steps: their next chunk (blocks already held).
         for req in self.admitted:
-            if budget > 0 and req.num_tokens - req.num_computed > 1:
+            if budget > 0 and len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_in_flight - req.num_computed > 1:
                 req.num_scheduled = min(req.num_tokens - req.num_computed, budget)
                 budget -= req.num_scheduled
                 step.prefill.append(req)
@@ -414,16 +419,17 @@ class Scheduler:
         """Each token read back appended to its request's output (one fewer in flight); requests
         that are done stop. Steps settle in launch order. Safe to call again for the same batch if
         it was interrupted (what is done stays done: a row whose token is in is skipped)."""
-        now = time.perf_counter()
+        now, finished, logprobs = time.perf_counter(), RequestStatus.FINISHED, batch.logprobs
         for row, (r, i, tok) in enumerate(zip(batch.sampled, batch.out_index, tokens)):
-            if r.status is RequestStatus.FINISHED:
+            if r.status is finished:
                 continue                    # stopped (or aborted) before: this row ran in vain
-            if len(r.output_token_ids) == i:
-                r.output_token_ids.append(tok)
+            out = r.output_token_ids
+            if len(out) == i:
+                out.append(tok)
                 r.num_in_flight -= 1
                 r.token_times.append(now)
-                if r.params.logprobs is not None and batch.logprobs is not None:
-                    r.logprobs.append(batch.logprobs[row])
+                if logprobs is not None and r.params.logprobs is not None:
+                    r.logprobs.append(logprobs[row])
             reason = self.stop_reason(r, i)
             if reason:
                 self.finish(r, reason)      # tokens launched after the stop are dropped with it
@@ -468,14 +474,17 @@ class Scheduler:
         if (self.waiting and None in self.slots and not self._holding()) or not self.admitted or len(self.admitted) > max_batch:
             return False
         need = rows = 0
-        for r in self.admitted:
-            if self.ends_in_flight(r):
-                continue
-            p, n = r.params, r.num_tokens
-            if (not p.chosen_on_device or n - r.num_computed != 1 or len(r.output_token_ids) + r.num_in_flight >= p.max_new_tokens
-                    or n >= self.max_model_len):
+        bs, longest, ends = self.block_size, self.max_model_len, self.RUN_AHEAD_PAST_ENDS
+        for r in self.admitted:                     # (ends_in_flight inlined: every request, every step)
+            p, out = r.params, len(r.output_token_ids) + r.num_in_flight
+            n = len(r.prompt_token_ids) + out
+            if out >= p.max_new_tokens or n >= longest:
+                if ends and r.num_in_flight:
+                    continue                        # its last token is in flight: left out
                 return False
-            need += blocks_needed(n, self.block_size) - len(r.blocks)
+            if not p.chosen_on_device or n - r.num_computed != 1:
+                return False
+            need += -(-n // bs) - len(r.blocks)
             rows += 1
         return rows > 0 and need <= self.allocator.num_free
 

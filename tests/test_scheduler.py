@@ -263,3 +263,12 @@ def test_admit_group_default_follows_the_device():
     assert [resolve_admit_group(3, torch.device(d)) for d in ("cuda", "cpu")] == [3, 3]
     assert tiny_llm().engine.scheduler.admit_group == 1
     assert tiny_llm(admit_group=4).engine.scheduler.admit_group == 4
+
+
+def test_the_overlap_loop_benchmark_runs_every_request_out():
+    """`python -m pagedlab.bench.scheduler --overlap-loop` at a small size: every request finishes,
+    every block comes back (it asserts both), the same steps for the same seed, decode-only steps timed."""
+    from pagedlab.bench.scheduler import run_overlap_loop
+    a, b = run_overlap_loop(seed=3, requests=40, slots=12), run_overlap_loop(seed=3, requests=40, slots=12)
+    assert (a["steps"], a["decode_steps"]) == (b["steps"], b["decode_steps"])
+    assert 0 < a["decode_steps"] < a["steps"] and a["decode_us_per_step"] > 0
