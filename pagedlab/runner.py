@@ -231,10 +231,10 @@ class ModelRunner:
             step = StepInputs("replay", batch.table_edits, rows)
         else:
             step = StepInputs("pack", batch.table_edits, self._host_inputs(batch))
-        choose = None
-        if (self.RUN_AHEAD_SAMPLED and step.kind == "replay" and not prompt_rows and offsets is None
+        choose, greedy = None, all(r.params.plain_greedy for r in reqs)    # (one pass over the rows)
+        if (not greedy and self.RUN_AHEAD_SAMPLED and step.kind == "replay" and not prompt_rows and offsets is None
                 and self.peers is None and getattr(self.model, "tp", None) is None
-                and all(r.params.chosen_on_device for r in reqs) and not all(r.params.plain_greedy for r in reqs)):
+                and all(r.params.chosen_on_device for r in reqs)):
             choose = lambda lg: self._device_tokens(lg, reqs)     # noqa: E731 -- sampled on the device
         logits, replay = self.execute(step, choose)
         if self.while_running is not None:
@@ -248,7 +248,7 @@ class ModelRunner:
                     ends.append(n - 1)
             logits = logits[ends + list(range(n, n + len(batch.decode)))]
             tokens, batch.logprobs = self._sample(logits, reqs, offsets)
-        elif choose is None and (replay is None or not all(r.params.plain_greedy for r in reqs)):
+        elif choose is None and (replay is None or not greedy):
             tokens, batch.logprobs = self._sample(logits, reqs, offsets)
         self.last = launch = Launch({r.request_id: i for i, r in enumerate(reqs)}, tokens, replay)
         return launch
