@@ -358,9 +358,9 @@ class ModelRunner:
                                                   kv_slots(r.blocks, n - 1, n + m, self.block_size))):
                     rows.append((tok, n - 1 + i, s, n + i, r.slot, -1))
             return rows
-        slots = decode_kv_slots(reqs, self.block_size)
-        return [(r.last_token_id, (n := r.num_tokens) - 1, s, n, r.slot, pending.get(r.request_id, -1))
-                for r, s in zip(reqs, slots)]
+        bs = self.block_size                    # (decode_kv_slots inlined: one length per request)
+        return [(r.last_token_id, (p := (n := r.num_tokens) - 1), r.blocks[p // bs] * bs + p % bs, n, r.slot,
+                 pending.get(r.request_id, -1)) for r in reqs]
 
     # -- output -----------------------------------------------------------------
     def _sample(self, logits, reqs, offsets=None):

@@ -335,7 +335,9 @@ class Scheduler:
                 step.decode.append(req)
         if self.speculator is not None:             # guesses for the decodes: one more row each
             self.speculator.plan(self, step)
-        budget = self.max_num_batched_tokens - len(step.decode) - sum(len(r.spec_token_ids) for r in step.decode)
+        budget = self.max_num_batched_tokens - len(step.decode)
+        if self.speculator is not None:             # (a guess is a row too)
+            budget -= sum(len(r.spec_token_ids) for r in step.decode)
         # 2. prefills that did not finish in earlier steps: their next chunk (blocks already held).
         for req in self.admitted:
             if budget > 0 and len(req.prompt_token_ids) + len(req.output_token_ids) + req.num_in_flight - req.num_computed > 1:

@@ -272,3 +272,14 @@ def test_the_overlap_loop_benchmark_runs_every_request_out():
     a, b = run_overlap_loop(seed=3, requests=40, slots=12), run_overlap_loop(seed=3, requests=40, slots=12)
     assert (a["steps"], a["decode_steps"]) == (b["steps"], b["decode_steps"])
     assert 0 < a["decode_steps"] < a["steps"] and a["decode_us_per_step"] > 0
+
+
+def test_the_engine_host_benchmark_runs_the_burst_without_a_model():
+    """`python -m pagedlab.bench.scheduler --engine-host`: the burst's every token comes out (the
+    stubbed model's constant token, ignore_eos), the decode-only steps' phases are counted."""
+    from pagedlab.bench.scheduler import burst, run_engine_host
+    out = run_engine_host(passes=1)
+    (one,) = out["passes"]
+    _, params = burst(1)
+    assert one["tokens"] == sum(p.max_new_tokens for p in params)
+    assert one["steps"] > max(p.max_new_tokens for p in params) and one["decode_phases_s"]["launch"] > 0

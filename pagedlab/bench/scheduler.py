@@ -59,17 +59,12 @@ def run_overlap_loop(seed: int = 0, requests: int = 512, slots: int = 256, cachi
     seconds per decode-only step: what the scheduler's bookkeeping adds to every step's host time
     (on the GPU the runner's launch comes on top)."""
     from pagedlab.request import Request
-    from pagedlab.sampling import SamplingParams
     from pagedlab.scheduler import Scheduler
-    rng = random.Random(seed)
-
-    def length(mean):
-        return rng.randint(max(1, int(mean * 0.22)), int(mean * 1.78))
+    prompts, params = burst(seed, requests, vocab=128000)
     sched = Scheduler(num_blocks=slots * 40, block_size=16, max_num_seqs=slots, max_model_len=2048,
                       max_num_batched_tokens=8192, prefix_caching=caching)
-    for i in range(requests):
-        sched.add(Request(request_id=i, prompt_token_ids=[rng.randrange(3, 128000) for _ in range(length(288))],
-                          params=SamplingParams(max_tokens=length(144), ignore_eos=True), seed=0))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        sched.add(Request(request_id=i, prompt_token_ids=prompt, params=p, seed=0))
     clock, unread = time.process_time, None
     decode_s, decode_steps, steps, done = 0.0, 0, 0, 0
     while sched.has_work():
@@ -97,6 +92,58 @@ def run_overlap_loop(seed: int = 0, requests: int = 512, slots: int = 256, cachi
     return dict(decode_us_per_step=decode_s / decode_steps * 1e6, decode_steps=decode_steps, steps=steps)
 
 
+def burst(seed: int, requests: int = 512, vocab: int = 500):
+    """The lab's burst: prompts of 63-512 random token ids (< vocab), 31-256 new tokens, ignore_eos."""
+    from pagedlab.sampling import SamplingParams
+    rng = random.Random(seed)
+
+    def length(mean):
+        return rng.randint(max(1, int(mean * 0.22)), int(mean * 1.78))
+    jobs = [([rng.randrange(3, vocab) for _ in range(length(288))], length(144)) for _ in range(requests)]
+    return [p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+
+
+def run_engine_host(passes: int = 3) -> dict:
+    """`--engine-host`: the whole engine's host path with no model -- LLM.generate of the burst on a
+    tiny random Llama whose forward returns constant logits at once (the CUDA-graph code path run
+    eagerly, as on a CPU): scheduler, runner inputs, overlap loop, hand-out, output processor.
+    This process's CPU seconds per pass and the decode-only steps' phases."""
+    import torch
+    from pagedlab import LLM
+    llm = LLM("random:tiny", max_num_seqs=256, max_model_len=1024, num_blocks=256 * 40, show_progress=False,
+              cuda_graphs="eager")
+    engine = llm.core.engine
+    vocab = llm.core.engine.runner.model.config.vocab_size
+
+    def no_model(input_ids, positions, kv_cache, meta, logits_indices=None, greedy=False, embedded=None,
+                 tokens_out=None):
+        n = len(logits_indices) if logits_indices is not None else input_ids.shape[0]
+        logits = torch.zeros(n, vocab)
+        logits[:, 7] = 1.0
+        if not greedy:
+            return logits
+        tokens = torch.full((n,), 7, dtype=torch.int64)
+        if tokens_out is not None:
+            tokens = tokens_out.copy_(tokens)
+        return logits, tokens
+    engine.runner.model.forward = no_model
+    prompts, params = burst(0)
+    llm.generate(prompts[:16], params[:16])
+    runs = []
+    for k in range(passes):
+        prompts, params = burst(k + 1)
+        before, steps = dict(engine.timing), engine.timer.totals["steps"]
+        t = time.process_time()
+        outs = llm.generate(prompts, params)
+        cpu = time.process_time() - t
+        spent = {key: v - before.get(key, 0.0) for key, v in engine.timing.items()}
+        runs.append(dict(cpu_s=cpu, steps=engine.timer.totals["steps"] - steps,
+                         tokens=sum(len(o.token_ids) for o in outs),
+                         decode_phases_s={key[7:]: spent[key] for key in spent if key.startswith("decode_")}))
+    llm.close()
+    return dict(passes=runs, cpu_s_median=statistics.median(r["cpu_s"] for r in runs))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab.bench.scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,7 +156,18 @@ def main(argv=None):
     ap.add_argument("--overlap-loop", action="store_true",
                     help="instead: the host bookkeeping per decode-only step of the overlap loop on the lab's "
                          "512-request burst (256 slots, prefix caching on), median of --rounds runs")
+    ap.add_argument("--engine-host", action="store_true",
+                    help="instead: the whole engine's host CPU per pass of the burst through LLM.generate with "
+                         "the model stubbed out (constant logits), --rounds passes")
     args = ap.parse_args(argv)
+    if args.engine_host:
+        out = run_engine_host(args.rounds)
+        for r in out["passes"]:
+            ph = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["decode_phases_s"].items())
+            print(f"engine host, no model: {r['steps']} steps, {r['tokens']} tokens, {r['cpu_s']:.3f} s CPU; "
+                  f"decode-only steps' phases: {ph}")
+        print(f"median {out['cpu_s_median']:.3f} s CPU per pass")
+        return out
     if args.overlap_loop:
         runs = [run_overlap_loop(seed=k) for k in range(args.rounds)]
         out = dict(decode_us_per_step=statistics.median(r["decode_us_per_step"] for r in runs),
