@@ -292,16 +292,16 @@ def _decode_gqa_kernel(q_ptr, k_ptr, v_ptr, o_ptr, ml_ptr, acc_ptr, cnt_ptr, bt_
 
 
 @triton.jit
-def attend_group(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
-                 HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, IEEE: tl.constexpr,
-                 IDX64: tl.constexpr):
-    """The gqa kernel's work (NUM_SPLITS = 1) as a function another kernel runs in its tail: all G
-    query heads of KV head kvh of sequence b over the whole paged context, the same loop and
-    online softmax as _decode_gqa_kernel. Used by gemv's QKV launch (the program that finishes a
-    KV head's last row block runs it, see gemv._qkv_rope_store_kernel): q and this step's K/V were
-    written by OTHER programs of that launch, so every load goes through L2 (.cg), never a stale
-    L1 line. D must be a power of two >= 16 (the launcher checks)."""
+def group_attention(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
+                    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                    D: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, IEEE: tl.constexpr,
+                    IDX64: tl.constexpr):
+    """The gqa kernel's work (NUM_SPLITS = 1) as a function another kernel runs: all G query heads
+    of KV head kvh of sequence b over the whole paged context, the same loop and online softmax as
+    _decode_gqa_kernel. Returns (out [GP, D] fp32, its q rows, the mask of the G real heads). Every
+    load goes through L2 (.cg), never a possibly stale L1 line: its callers read q and this step's
+    K/V that OTHER programs of the same launch may have written (attend_group) or that the launch
+    before wrote (attend_o.py). D must be a power of two >= 16 (the launchers check)."""
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -332,7 +332,19 @@ def attend_group(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
         s = s * sm_scale
         s = tl.where(kmask[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, IEEE)
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], q_rows, gmask
+
+
+@triton.jit
+def attend_group(q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
+                 HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, max_blocks, IEEE: tl.constexpr,
+                 IDX64: tl.constexpr):
+    """group_attention, stored: the tail of gemv's QKV launch (the program that finishes a KV
+    head's last row block runs it, see gemv._qkv_rope_store_kernel)."""
+    out, q_rows, gmask = group_attention(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh, HKV, G, GP,
+                                         BS, D, BLOCK_N, max_blocks, IEEE, IDX64)
+    offs_d = tl.arange(0, D)
     tl.store(o_ptr + q_rows[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=gmask[:, None])
 
