@@ -394,6 +394,55 @@ def attention_one_token(dev, context: int = 256, layers: int = 16) -> list:
     return rows
 
 
+def attend_o_bench(dev, fp8: bool = False, contexts=(258, 1024, 1900), layers: int = 16) -> list:
+    """`--attend-o`: one decode token's attention + O projection (+ residual), Llama-3.2-1B heads,
+    batch 1, pages of 16, `layers` distinct caches and O weights (so the weights stream from DRAM as
+    in a step), in a CUDA graph: the two launches the engine runs (decode attention auto, then the
+    fused O GEMV) against kernels/attend_o.py's one launch at a few launch configs. Also each fused
+    config's relative difference from the two launches (bf16 rounding only: same math)."""
+    from pagedlab.kernels import decode_attention as da
+    from pagedlab.kernels.attend_o import attend_o_residual_triton
+    from pagedlab.quantization import quantize_weight
+    gen = torch.Generator(device=dev).manual_seed(2)
+    ws = [(torch.randn(HIDDEN, HQ * D, generator=gen, device=dev) * (HQ * D) ** -0.5).bfloat16()
+          for _ in range(layers)]
+    if fp8:
+        ws = [quantize_weight(w) for w in ws]
+    rs = [torch.randn(1, HIDDEN, generator=gen, device=dev).bfloat16() for _ in range(layers)]
+    q = torch.randn(1, HQ, D, generator=gen, device=dev).bfloat16()
+    configs = [dict(BLOCK_R=r, BLOCK_N=n, num_warps=nw, num_stages=1)
+               for r, n, nw in ((16, 128, 4), (32, 128, 4), (32, 64, 4), (64, 128, 8), (128, 128, 8))]
+    rows = []
+    for context in contexts:
+        nb = (context + 15) // 16
+        caches = [(torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16(),
+                   torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16()) for _ in range(layers)]
+        table = torch.randperm(nb, generator=gen, device=dev).int()[None]
+        lens = torch.tensor([context], dtype=torch.int32, device=dev)
+
+        def two(i):
+            kc, vc = caches[i]
+            a = da.decode_attention_triton(q, kc, vc, table, lens, D ** -0.5, context)
+            return gemv.linear_residual_triton(a.reshape(1, HQ * D), ws[i], rs[i])
+        base = graph_time_us([lambda i=i: two(i) for i in range(layers)])
+        ref = two(0).double()
+        row = dict(context=context, fp8=fp8, two_launches_us=base, fused=[])
+        print(f"  context {context}: attention + O, two launches {base:.2f} us per layer", flush=True)
+        for cfg in configs:
+            try:
+                us = graph_time_us([lambda i=i, c=cfg: attend_o_residual_triton(
+                    q, *caches[i], table, lens, D ** -0.5, ws[i], rs[i], config=c) for i in range(layers)])
+                got = attend_o_residual_triton(q, *caches[0], table, lens, D ** -0.5, ws[0], rs[0], config=cfg)
+            except Exception as e:
+                print(f"    skip {cfg}: {type(e).__name__}: {e}", flush=True)
+                continue
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            row["fused"].append(dict(config=cfg, us=us, rel_diff=err))
+            print(f"    one launch {cfg}: {us:.2f} us ({base / us:.2f}x), rel. difference {err:.1e}", flush=True)
+        rows.append(row)
+    return rows
+
+
 def one_stream_probe(out, argv=None, before=None) -> dict:
     """`--one-stream`: the sweep at one token (bf16 and FP8), then the engine with the default
     configs and with the sweep's best, same process. Writes one_stream_probe.json after each part.
@@ -707,10 +756,20 @@ def main(argv=None):
                          "one_stream_variants.json), same run")
     ap.add_argument("--budget-s", type=float, default=200.0, help="with --variants: stop starting "
                     "new engines after this many seconds")
+    ap.add_argument("--attend-o", action="store_true",
+                    help="one token's attention + O projection: the engine's two launches against "
+                         "kernels/attend_o.py's one, at contexts 258 / 1,024 / 1,900 (attend_o_bench.json; "
+                         "with --fp8 FP8 O weights)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
+    if args.attend_o:
+        meta = metadata("python -m pagedlab.bench.gemv", argv)
+        print(device_line(meta))
+        write_json(out / ("attend_o_fp8_bench.json" if args.fp8 else "attend_o_bench.json"),
+                   dict(meta=meta, rows=attend_o_bench(dev, args.fp8)))
+        return
     if args.one_stream and args.variants:
         if args.variants == "prefetch":
             one_stream_variants(out, argv, args.budget_s)
