@@ -3,16 +3,12 @@ launches' math in fp64: the paged context scattered over pages with a ragged las
 heads per KV head a power of two and not (Llama's 4, SmolLM2's 3), several row blocks with a partial
 last one, plain and FP8 weights; twice in a row (the split-K counters reset), bit for bit equal.
 CPU: the Triton interpreter in fp32 / fp16 at small shapes; GPU: bf16 at Llama-3.2-1B's."""
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from pagedlab.kernels.attend_o import attend_o_residual_torch, attend_o_residual_triton  # noqa: E402
-from pagedlab.quantization import quantize_weight  # noqa: E402
+# (conftest.py sets TRITON_INTERPRET=1 without a GPU, before any kernel is defined)
+from pagedlab.kernels.attend_o import attend_o_residual_torch, attend_o_residual_triton
+from pagedlab.quantization import quantize_weight
 
 GPU = torch.cuda.is_available()
 DEV = "cuda" if GPU else "cpu"
