@@ -154,8 +154,9 @@ class LlamaModel:
                 q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
                                             k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                             **_prefetch(ops.norm_qkv_rope_store, layer["o"]))
-                o = None if attend_o is not None else attend(ops, q, k_cache, v_cache, meta, self.scale)
-            if o is None:                   # one decode token: attention inside the O launch
+                if attend_o is None:
+                    o = attend(ops, q, k_cache, v_cache, meta, self.scale)
+            if attend_o is not None:        # one decode token: attention inside the O launch
                 h = attend_o(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale,
                              layer["o"], h)
             else:

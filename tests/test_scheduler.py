@@ -283,3 +283,11 @@ def test_the_engine_host_benchmark_runs_the_burst_without_a_model():
     _, params = burst(1)
     assert one["tokens"] == sum(p.max_new_tokens for p in params)
     assert one["steps"] > max(p.max_new_tokens for p in params) and one["decode_phases_s"]["launch"] > 0
+
+
+def test_the_host_profile_names_the_engine_step():
+    """`python -m pagedlab.bench.scheduler --profile MODEL` (docs/host_profile_s22.txt was made
+    with it on the H200): a profile of a burst whose cumulative list reaches the engine's step."""
+    from pagedlab.bench.scheduler import host_profile
+    text = host_profile("random:tiny", top=60, requests=6)
+    assert "tokens/s" in text.splitlines()[0] and "engine.py" in text and "(_step_" in text   # plain or overlap

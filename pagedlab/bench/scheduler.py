@@ -52,6 +52,17 @@ def run_scheduler(prompts, new_tokens: int, slots: int, caching: bool, block_siz
                 hits=getattr(sched.allocator, "prefix_hits", 0))
 
 
+def burst(seed: int, requests: int = 512, vocab: int = 500):
+    """The lab's burst: prompts of 63-512 random token ids (< vocab), 31-256 new tokens, ignore_eos."""
+    from pagedlab.sampling import SamplingParams
+    rng = random.Random(seed)
+
+    def length(mean):
+        return rng.randint(max(1, int(mean * 0.22)), int(mean * 1.78))
+    jobs = [([rng.randrange(3, vocab) for _ in range(length(288))], length(144)) for _ in range(requests)]
+    return [p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
+
+
 def run_overlap_loop(seed: int = 0, requests: int = 512, slots: int = 256, caching: bool = True) -> dict:
     """The engine's overlap loop with no model (`--overlap-loop`): the lab's burst (prompts 63-512
     tokens, 31-256 new, ignore_eos) through schedule / advance / hash_ahead / settle / can_run_ahead
@@ -92,17 +103,6 @@ def run_overlap_loop(seed: int = 0, requests: int = 512, slots: int = 256, cachi
     return dict(decode_us_per_step=decode_s / decode_steps * 1e6, decode_steps=decode_steps, steps=steps)
 
 
-def burst(seed: int, requests: int = 512, vocab: int = 500):
-    """The lab's burst: prompts of 63-512 random token ids (< vocab), 31-256 new tokens, ignore_eos."""
-    from pagedlab.sampling import SamplingParams
-    rng = random.Random(seed)
-
-    def length(mean):
-        return rng.randint(max(1, int(mean * 0.22)), int(mean * 1.78))
-    jobs = [([rng.randrange(3, vocab) for _ in range(length(288))], length(144)) for _ in range(requests)]
-    return [p for p, _ in jobs], [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in jobs]
-
-
 def run_engine_host(passes: int = 3) -> dict:
     """`--engine-host`: the whole engine's host path with no model -- LLM.generate of the burst on a
     tiny random Llama whose forward returns constant logits at once (the CUDA-graph code path run
@@ -113,7 +113,7 @@ def run_engine_host(passes: int = 3) -> dict:
     llm = LLM("random:tiny", max_num_seqs=256, max_model_len=1024, num_blocks=256 * 40, show_progress=False,
               cuda_graphs="eager")
     engine = llm.core.engine
-    vocab = llm.core.engine.runner.model.config.vocab_size
+    vocab = engine.runner.model.config.vocab_size
 
     def no_model(input_ids, positions, kv_cache, meta, logits_indices=None, greedy=False, embedded=None,
                  tokens_out=None):
@@ -144,6 +144,35 @@ def run_engine_host(passes: int = 3) -> dict:
     return dict(passes=runs, cpu_s_median=statistics.median(r["cpu_s"] for r in runs))
 
 
+def host_profile(model: str = "random:llama-3.2-1b", top: int = 45, requests: int = 512) -> str:
+    """`--profile MODEL`: where the host's time goes in a burst through LLM.generate on a real
+    engine (a GPU: the model on the device; a CPU: its forward too) -- a warm pass, then one pass
+    under cProfile, each pass a burst of its own (no prefix-cache hits between passes). Returns the
+    profile's top functions by own and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    from pagedlab import LLM
+    llm = LLM(model, max_num_seqs=256, max_model_len=2048, show_progress=False)
+    vocab = min(32000, llm.core.engine.runner.model.config.vocab_size)
+    llm.generate(*burst(0, requests, vocab))
+    prompts, params = burst(1, requests, vocab)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    outs = llm.generate(prompts, params)
+    prof.disable()
+    wall = time.perf_counter() - t
+    llm.close()
+    text = io.StringIO()
+    text.write(f"{model}: the profiled pass {sum(len(o.token_ids) for o in outs) / wall:.0f} tokens/s "
+               f"(cProfile slows the host)\n")
+    for key in ("tottime", "cumtime"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+    return text.getvalue()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m pagedlab.bench.scheduler", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -159,7 +188,13 @@ def main(argv=None):
     ap.add_argument("--engine-host", action="store_true",
                     help="instead: the whole engine's host CPU per pass of the burst through LLM.generate with "
                          "the model stubbed out (constant logits), --rounds passes")
+    ap.add_argument("--profile", metavar="MODEL", default=None,
+                    help="instead: cProfile of one burst through LLM.generate with this model (on the GPU: "
+                         "random:llama-3.2-1b), after a warm pass -- where the host's time goes")
     args = ap.parse_args(argv)
+    if args.profile:
+        print(host_profile(args.profile))
+        return None
     if args.engine_host:
         out = run_engine_host(args.rounds)
         for r in out["passes"]:

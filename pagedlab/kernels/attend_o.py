@@ -1,5 +1,6 @@
-"""Decode attention inside the O projection's launch, for one stream (issue #27; NOT used by the
-engine yet -- a kernel to measure first: `python -m pagedlab.bench.gemv --attend-o`).
+"""Decode attention inside the O projection's launch, for one stream (issue #27; off in the engine
+unless select_kernels(attend_o=N) / PAGEDLAB_ATTEND_O asks for it, and not measured yet:
+`python -m pagedlab bench gemv --attend-o`).
 
 At one decode token the attention half of a layer is three launches -- QKV (+RoPE, KV store),
 attention, O (+ residual) -- and the two after QKV are mostly latency: attention reads ~0.5 MB of
