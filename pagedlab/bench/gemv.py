@@ -31,6 +31,12 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
                                                   # the step's fixed costs: each launch change
                                                   # alone, then the best together, bf16 and FP8
                                                   # (one_stream_latency.json)
+    python -m pagedlab bench gemv --attend-o [--fp8]
+                                                  # one token's attention + O: two launches against
+                                                  # kernels/attend_o.py's one (attend_o_bench.json)
+    python -m pagedlab bench gemv --attend-o --one-stream
+                                                  # the engine's one stream with it off and on,
+                                                  # alternating (attend_o_one_stream.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
@@ -213,7 +219,8 @@ _CKPT = None
 
 
 def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True,
-                      decode_variant="auto", long_context=0, breakdown=False, decode_config=None) -> dict:
+                      decode_variant="auto", long_context=0, breakdown=False, decode_config=None,
+                      attend_o=None) -> dict:
     """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
     (GPU only, context 256; long_context > 0: also at that context, graph_long_us) and,
     profile=True, its kernels' times (torch profiler); breakdown=True: the launches of one
@@ -230,6 +237,8 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
         opts["pdl"] = pdl
     if decode_config is not None:
         opts["decode_config"] = decode_config
+    if attend_o is not None:
+        opts["attend_o"] = attend_o
     global _CKPT
     if _CKPT is None:
         from pagedlab.weights import load_checkpoint
@@ -237,7 +246,7 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
     llm = LLM(checkpoint=_CKPT, device="cuda", dtype="bfloat16", max_num_seqs=8,
               max_model_len=2048, show_progress=False, quantization=None if weights == "bf16" else weights,
               kernel_options=opts or None, decode_variant=decode_variant)
-    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl, decode_variant=decode_variant)
+    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl, decode_variant=decode_variant, attend_o=attend_o)
     if stream:
         res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
         res["token_ids"] = res["one_stream"].pop("token_ids")[0]
@@ -441,6 +450,50 @@ def attend_o_bench(dev, fp8: bool = False, contexts=(258, 1024, 1900), layers: i
             print(f"    one launch {cfg}: {us:.2f} us ({base / us:.2f}x), rel. difference {err:.1e}", flush=True)
         rows.append(row)
     return rows
+
+
+def attend_o_one_stream(out, argv=None, rounds: int = 3, bound: int = 2048) -> dict:
+    """`--attend-o --one-stream`: the engine's one stream (128-token prompt, 256 new) and its
+    batch-1 graph replay at contexts 258 and 1,900, with the attention inside the O launch off
+    (attend_o=0) and on (attend_o=bound), alternating off/on `rounds` times, bf16 then FP8, one
+    process; each run's tokens against the first off run of its weights (attend_o_one_stream.json)."""
+    import statistics
+    meta = metadata("python -m pagedlab.bench.gemv", argv)
+    print(device_line(meta), flush=True)
+    res = dict(meta=meta, bound=bound, runs=[], summary={})
+    path = out / "attend_o_one_stream.json"
+    for weights in ("bf16", "fp8"):
+        first = None
+        for rnd in range(rounds):
+            for name, ao in (("off", 0), ("on", bound)):
+                try:
+                    r = engine_one_stream(weights, profile=False, long_context=1900, attend_o=ao)
+                except Exception as e:                  # keep what was measured
+                    print(f"  {weights} attend_o {name}: {type(e).__name__}: {e}", flush=True)
+                    res["runs"].append(dict(weights=weights, attend_o=name, error=f"{type(e).__name__}: {e}"))
+                    continue
+                ids = r.pop("token_ids")
+                first = first if first is not None else ids
+                r.update(attend_o=name, round=rnd,
+                         same_tokens_as_first_off=sum(a == b for a, b in zip(ids, first)) / max(1, len(ids)))
+                res["runs"].append(r)
+                write_json(path, res)
+        for name in ("off", "on"):
+            rs = [r for r in res["runs"] if r.get("weights") == weights and r.get("attend_o") == name
+                  and "graph_us" in r]
+            if rs:
+                res["summary"][f"{weights}_{name}"] = dict(
+                    tokens_per_s=statistics.median(r["one_stream"]["tokens_per_s"] for r in rs),
+                    graph_us=statistics.median(r["graph_us"] for r in rs),
+                    graph_long_us=statistics.median(r["graph_long_us"] for r in rs),
+                    same_tokens=min(r["same_tokens_as_first_off"] for r in rs))
+        for k, v in res["summary"].items():
+            if k.startswith(weights):
+                print(f"{k}: one stream {v['tokens_per_s']:.1f} tok/s, graph {v['graph_us']:.1f} us at 258, "
+                      f"{v['graph_long_us']:.1f} us at 1,900, same tokens as off >= {v['same_tokens']:.3f}",
+                      flush=True)
+    write_json(path, res)
+    return res
 
 
 def one_stream_probe(out, argv=None, before=None) -> dict:
@@ -759,11 +812,15 @@ def main(argv=None):
     ap.add_argument("--attend-o", action="store_true",
                     help="one token's attention + O projection: the engine's two launches against "
                          "kernels/attend_o.py's one, at contexts 258 / 1,024 / 1,900 (attend_o_bench.json; "
-                         "with --fp8 FP8 O weights)")
+                         "with --fp8 FP8 O weights); with --one-stream: the engine's one stream with it "
+                         "off and on, alternating, bf16 and FP8 (attend_o_one_stream.json)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
+    if args.attend_o and args.one_stream:
+        attend_o_one_stream(out, argv)
+        return
     if args.attend_o:
         meta = metadata("python -m pagedlab.bench.gemv", argv)
         print(device_line(meta))
