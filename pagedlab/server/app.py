@@ -298,6 +298,11 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
         arrival = time.perf_counter()
         checked = []
         samples = req.params.samples()            # n samples: n requests (seeds seed, seed + 1, ...)
+        vocab = getattr(async_llm, "vocab_size", None)
+        outside = [t for t in req.params.stop_token_ids if vocab is not None and not 0 <= t < vocab]
+        if outside:                               # (the engine's check would blame the prompt)
+            raise OpenAIError(f"stop_token_ids {outside[:5]} are outside the vocabulary [0, {vocab}) of this "
+                              "model", param="stop_token_ids")
         for p, ids in enumerate(req.prompts):
             try:                                  # read-only: fits this engine? (length, vocabulary)
                 checked.append(async_llm.check_request(ids, samples[0]))

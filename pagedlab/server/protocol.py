@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 
 from ..conversation import ROLE_ALIASES
@@ -143,9 +144,13 @@ async def receive_body(request, limit: int | None = None) -> bytes:
     bytes (None: MAX_BODY_BYTES) -- or at once, when its Content-Length says it will."""
     limit = MAX_BODY_BYTES if limit is None else limit
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(f"the request body has {int(declared):,} bytes; at most {limit:,} are accepted",
-                          status=413)
+    if declared is not None and declared.isascii() and declared.isdigit():
+        # (compared as digits first: int() of a header of more than 4300 digits -- leading zeros
+        # count -- raises ValueError, a 500)
+        digits = declared.lstrip("0")
+        if len(digits) > len(str(limit)) or int(digits or "0") > limit:
+            size = f"{int(digits):,} bytes" if len(digits) <= 30 else f"a {len(digits)}-digit number of bytes"
+            raise OpenAIError(f"the request body has {size}; at most {limit:,} are accepted", status=413)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -169,6 +174,9 @@ def read_body(raw: bytes) -> dict:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         bad(f"the request body is not valid JSON: {e}")
+    except ValueError:            # an integer literal past sys.get_int_max_str_digits(): a 500 otherwise
+        bad(f"the request body holds an integer of more than {sys.get_int_max_str_digits():,} digits: "
+            "not a number this server can read")
     if not isinstance(body, dict):
         bad(f"the request body must be a JSON object, got {type(body).__name__}")
     if _SURROGATE_ESCAPE.search(raw):
@@ -415,6 +423,8 @@ def check_messages(messages) -> list[dict]:
                 param=f"messages[{i}].role")
         if "content" not in m or m["content"] is None:
             bad(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            bad(f"messages[{i}].name must be a string, got {_show(m['name'])}", param=f"messages[{i}].name")
         out.append({"role": role, "content": message_text(m["content"], i)})
     if not any(m["content"].strip() for m in out):
         bad("messages are all empty: give some text", param="messages")
