@@ -44,6 +44,7 @@ import torch
 from .core_mailbox import request_ids
 from .core_process import CoreInfo, CoreProcess, core_info
 from .engine import SEED_BITS, check_request
+from .llm import check_text
 from .output_processor import OutputProcessor, RequestState
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
@@ -55,6 +56,10 @@ class CoreThread:
     through in-process queues (AsyncLLM(llm): tests, notebooks, serve(llm))."""
 
     def __init__(self, llm):
+        other = getattr(llm, "_core_thread", None)
+        if other is not None and other.thread.is_alive():
+            raise RuntimeError("this LLM's engine is already driven by another AsyncLLM (its engine thread "
+                               "steps it): use that one, or call its shutdown() first")
         self.llm, self.core = llm, llm.core
         self.info: CoreInfo = core_info(llm, self.core)
         self.dead: str | None = None
@@ -63,6 +68,7 @@ class CoreThread:
         self._wake = None                    # set by AsyncLLM: schedules its reader on its loop
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pagedlab-engine", daemon=True)
+        llm._core_thread = self       # llm.generate / stream refuse while this thread steps the core
         self.thread.start()
 
     def send(self, msg) -> None:
@@ -84,7 +90,10 @@ class CoreThread:
         self._out.append(msg)
         wake = self._wake
         if wake is not None:
-            wake()
+            try:
+                wake()
+            except RuntimeError:      # that loop is closed (an asyncio.run that ended): the message
+                pass                  # waits in _out for the next loop's _attach (_read_all)
 
     def _run(self) -> None:
         core = self.core
@@ -224,6 +233,8 @@ class AsyncLLM:
     def check_request(self, prompt, params=None, chat: bool = False) -> "Checked":
         """What the core would refuse, refused here, before anything is queued: a Checked (token
         ids, text, params), which submit() takes as it is."""
+        if isinstance(prompt, str):
+            check_text(prompt, "the prompt's text")       # a lone surrogate: named here, not in the tokenizer
         return Checked(*check_request(prompt, params, chat, self.tokenizer, self.vocab_size,
                                       self.max_model_len, self.pool_hint))
 

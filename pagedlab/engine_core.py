@@ -146,28 +146,36 @@ class EngineCore:
 def run_requests(core: EngineCore, outputs, items, use_tqdm: bool = False, on_finish=None) -> list:
     """Queue checked requests (token ids, text, params), step until all finished; their
     RequestOutputs in order (what LLM.generate and a data-parallel replica run). Interrupted: its
-    unfinished requests are aborted; finished requests of other callers go back to the engine."""
+    unfinished requests are aborted; finished requests of other callers go back to the engine.
+    on_finish may drive the same core itself (a generate() or a stream inside the callback): the
+    requests of this call that finish meanwhile are picked up from their states afterwards."""
     rids = core.add([(None, *item) for item in items])
-    for rid, (ids, text, params) in zip(rids, items):
-        outputs.add(rid, ids, text, params)
-    wanted, done = set(rids), {}
+    pending = {rid: outputs.add(rid, ids, text, params) for rid, (ids, text, params) in zip(rids, items)}
+    done = {}
     bar = None
     if use_tqdm:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(rids), desc="requests", unit="req")
+
+    def collect(states) -> bool:
+        called = False
+        for state in states:
+            if state.output is not None and pending.pop(state.request_id, None) is not None:
+                done[state.request_id] = state.output
+                if bar:
+                    bar.update(1)
+                if on_finish:
+                    on_finish(state.output)
+                    called = True
+        return called
     try:
-        while len(done) < len(wanted):
+        while pending:
             changed, stopped = outputs.process(core.step())
             core.abort(stopped)                  # their text reached a stop string
-            for state in changed:
-                if state.output is not None and state.request_id in wanted:
-                    done[state.request_id] = state.output
-                    if bar:
-                        bar.update(1)
-                    if on_finish:
-                        on_finish(state.output)
+            if collect(changed) and pending:     # a callback may have stepped the core itself
+                collect(list(pending.values()))
     finally:
-        if len(done) < len(wanted):        # interrupted: no orphans left running
+        if pending:                        # interrupted: no orphans left running
             unfinished = [rid for rid in rids if rid not in done]
             core.abort(unfinished)
             for rid in unfinished:

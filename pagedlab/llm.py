@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import sys
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -31,7 +33,7 @@ from .output_processor import RequestOutput
 from .rank import build_engine, build_model
 from .sampling import SamplingParams
 from .tokenizer import ByteTokenizer, HFTokenizer, Llama3Tokenizer
-from .validation import check_int
+from .validation import check_int, show
 from .weights import DEFAULT_MODEL, load_checkpoint, missing_tokenizer_message
 
 
@@ -68,6 +70,44 @@ def make_tokenizer(ckpt):
     if not ckpt.source.startswith("random"):
         raise ValueError(missing_tokenizer_message(ckpt.source))
     return ByteTokenizer(c.vocab_size, c.bos_token_id, c.eos_token_ids)
+
+
+def check_text(text: str, where: str) -> None:
+    """Text the tokenizer can take: valid Unicode. A lone surrogate ('\\udcff': bytes that are not
+    UTF-8 read with errors='surrogateescape', a command line argument in another encoding, JSON's
+    "\\ud800") would otherwise fail deep inside the tokenizer with a message that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where} is not valid Unicode: {e.object[e.start:e.end]!r} at index {e.start} is a "
+                         "lone surrogate (text decoded from bytes that are not UTF-8? decode them with "
+                         "errors='replace')") from None
+
+
+def _is_ndarray(x) -> bool:
+    np = sys.modules.get("numpy")          # (no numpy imported: no array can have been made)
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def array_prompt(a):
+    """A numpy array given as a prompt: a 1-D array of numbers is one prompt's token ids (as a 1-D
+    tensor is; its elements are checked as token ids), a 1-D array of strings a list of prompts."""
+    if a.ndim == 1:
+        return a.tolist()
+    raise ValueError(f"a prompt array must be 1-D (one prompt's token ids), got shape {tuple(a.shape)}: "
+                     "pass a list of 1-D arrays for several prompts")
+
+
+def _renamed(e: Exception, text: str) -> Exception:
+    """e's kind of exception with another message (a kind whose constructor takes more than a
+    message -- UnicodeError, ValidationError -- becomes a plain ValueError / TypeError)."""
+    try:
+        new = type(e)(text)
+        if str(new) == text:
+            return new
+    except Exception:                     # noqa: BLE001 -- only choosing the exception's class
+        pass
+    return (TypeError if isinstance(e, TypeError) else ValueError)(text)
 
 
 def parallel_sizes(tp, dp) -> tuple[int, int]:
@@ -191,7 +231,15 @@ class LLM:
     def __exit__(self, *exc):
         self.close()
 
+    def _check_driver(self):
+        driver = getattr(self, "_core_thread", None)         # AsyncLLM(llm)'s engine thread (async_llm.py)
+        if driver is not None and driver.thread.is_alive():
+            raise RuntimeError("this LLM's engine is driven by an AsyncLLM (AsyncLLM(llm) or serve(llm): its "
+                               "engine thread steps it), and two drivers would take each other's tokens: use "
+                               "that AsyncLLM, or call its shutdown() first")
+
     def _check_open(self):
+        self._check_driver()
         if self._workers is not None and self._workers.closed:
             stopped = self.model.tp.stopped if self.model.tp is not None else None
             raise RuntimeError(stopped or "this LLM was closed (close() stops its parallel workers); "
@@ -207,6 +255,7 @@ class LLM:
         if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
             raise TypeError(f"request_id must be an integer (a RequestOutput's request_id), got "
                             f"{request_id!r} ({type(request_id).__name__})")
+        self._check_driver()
         return self.engine.abort(int(request_id))
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
@@ -224,32 +273,64 @@ class LLM:
         if prompts is None or isinstance(prompts, (numbers.Number, bytes, bytearray)) or \
                 not hasattr(prompts, "__iter__"):
             raise TypeError(f"prompts must be a string, a list of token ids, a conversation or a list "
-                            f"of those; got {prompts!r} ({type(prompts).__name__})")
+                            f"of those; got {show(prompts)} ({type(prompts).__name__})")
+        if isinstance(prompts, Mapping):       # (iterating it would make a prompt of each key)
+            raise TypeError(f"prompts must be a string, a list of token ids, a conversation or a list of "
+                            f"those; got a {type(prompts).__name__}: a conversation is a list of messages, "
+                            "e.g. [{'role': 'user', 'content': '...'}]")
+        if isinstance(prompts, (set, frozenset)):
+            raise TypeError("prompts must be ordered (a list or a tuple): outputs come back in prompt order, "
+                            f"and a {type(prompts).__name__} has none")
+        if on_finish is not None and not callable(on_finish):
+            raise TypeError(f"on_finish must be a function taking a RequestOutput (or None), got "
+                            f"{show(on_finish)} ({type(on_finish).__name__})")
         params = self._params_argument(params, sampling_params)
         if system is not None and not chat:
             raise ValueError("system= is a chat turn: use LLM.chat(prompts, system=...) (or chat=True)")
+        if _is_ndarray(prompts):
+            prompts = array_prompt(prompts)
+            if prompts and not isinstance(prompts[0], str):
+                prompts = [prompts]            # one prompt's token ids (checked as such below)
         if isinstance(prompts, (str, torch.Tensor)) or is_conversation(prompts) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams")
+        params_list = self._params_list(params, len(prompts))
         self._check_open()
         items, counts = [], []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
             # n samples of a prompt are n requests (SamplingParams.samples: seeds seed, seed + 1, ...)
-            samples = sp.samples() if isinstance(sp, SamplingParams) else [sp]
+            samples = sp.samples()
             try:
                 ids, text, _ = self._check_prompt(p, samples[0], chat, system)
             except (ValueError, TypeError) as e:
-                raise type(e)(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
+                raise _renamed(e, f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
             items += [(ids, text, s) for s in samples]
             counts.append(len(samples))
         run = self._run if self._router is None else self._run_replicas
         outs = iter(run(items, use_tqdm, on_finish))
         samples = [gather([next(outs) for _ in range(n)]) for n in counts]
         return [o if o.outputs is not None else replace(o, outputs=[o]) for o in samples]
+
+    @staticmethod
+    def _params_list(params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt: params given once for all, or a list of n (None in it:
+        the defaults). Anything else is a TypeError naming it, before anything is queued."""
+        if isinstance(params, (list, tuple)):
+            out = [SamplingParams() if p is None else p for p in params]
+            for j, p in enumerate(out):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"params[{j}] must be a SamplingParams (or None: the defaults), got "
+                                    f"{show(p)} ({type(p).__name__})")
+            if len(out) != n:
+                raise ValueError(f"{n} prompts but {len(out)} SamplingParams")
+            return out
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, a list of them (one per prompt) or None, got "
+                            f"{show(params)} ({type(params).__name__})")
+        return [params] * n
 
     @staticmethod
     def _params_argument(params, sampling_params):
@@ -265,11 +346,20 @@ class LLM:
         the chat template first; its RequestOutput.prompt is then the rendered text, as vLLM's."""
         if is_conversation(prompt) or (chat and system is not None and isinstance(prompt, str)):
             turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-            ids = self.tokenizer.chat(check_conversation(turns, system))
+            turns = check_conversation(turns, system)
+            for j, m in enumerate(turns):
+                check_text(m["content"], "system" if system is not None and j == 0 else
+                           "the prompt's text" if isinstance(prompt, str) else
+                           f"messages[{j - (system is not None)}].content")
+            ids = self.tokenizer.chat(turns)
             ids, _, params = self.engine.check_request(ids, params)
             return ids, self.tokenizer.decode(ids), params
         if system is not None:
             raise ValueError("system= needs text or a conversation to put its turn before; this prompt is token ids")
+        if isinstance(prompt, str):
+            check_text(prompt, "the prompt's text")
+        elif _is_ndarray(prompt):
+            prompt = array_prompt(prompt)
         return self.engine.check_request(prompt, params, chat=chat)
 
     def get_tokenizer(self):

@@ -162,7 +162,9 @@ def _accept_max_tokens(init):
                 n = check_int("max_new_tokens", given, 1, INT32_MAX, owner=_OWNER)
                 if m != n:
                     _bad("max_tokens", f"max_new_tokens ({n}) when both are given (max_tokens is an alias "
-                         "of max_new_tokens: give one of them)", m)
+                         "of max_new_tokens: give one of them)", m,
+                         "; dataclasses.replace passes every field, max_new_tokens too: derive with "
+                         f"replace(params, max_new_tokens={m})" if len(kwargs) >= len(sig.parameters) - 1 else "")
             elif not args:
                 kwargs["max_new_tokens"] = m
         init(self, *args, **kwargs)
