@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .validation import show
+
 # Four short prompts: the CLI demo's, the tests' and notebook 00's.
 DEMO_PROMPTS = ["What is 2+2?", "Name a color.", "Say hello.", "Capital of France?"]
 ROLES = ("system", "user", "assistant")
@@ -55,9 +57,10 @@ def check_conversation(messages, system: str | None = None) -> list[dict]:
         extra = set(m) - {"role", "content", "name"}
         if extra:
             raise ValueError(f"{where} has unknown keys {sorted(extra)} (expected 'role' and 'content')")
-        role = ROLE_ALIASES.get(m.get("role"), m.get("role"))
+        role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role    # (a list is unhashable)
         if role not in ROLES:
-            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)} (or developer), got {m.get('role')!r}")
+            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)} (or developer), got {show(m.get('role'))}")
         if m.get("content") is None:
             raise ValueError(f"{where}.content is missing")
         out.append({"role": role, "content": message_text(m["content"], where)})

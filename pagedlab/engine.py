@@ -40,6 +40,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Batch, Scheduler
 from .trace import StepRecord, Trace
+from .validation import show
 
 log = logging.getLogger(__name__)
 
@@ -424,11 +425,11 @@ def check_request(prompt, params, chat: bool, tokenizer, vocab: int, max_model_l
         ids = prompt_ids(prompt)
     bad = (min(ids) < 0 or max(ids) >= vocab) and [(i, t) for i, t in enumerate(ids) if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"token id(s) {[t for _, t in bad[:5]]} (at index {[i for i, _ in bad[:5]]}) "
+        raise ValueError(f"token id(s) [{', '.join(show(t) for _, t in bad[:5])}] (at index {[i for i, _ in bad[:5]]}) "
                          f"outside the vocabulary [0, {vocab}) of this model")
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"stop_token_ids {bad[:5]} outside the vocabulary [0, {vocab}) of this model")
+        raise ValueError(f"stop_token_ids [{', '.join(show(t) for t in bad[:5])}] outside the vocabulary [0, {vocab}) of this model")
     if len(ids) >= max_model_len:
         raise ValueError(
             f"prompt has {len(ids)} tokens but this engine holds at most {max_model_len} per "

@@ -191,3 +191,21 @@ def test_a_huge_integer_as_prompts_is_named_not_printed(llm):
     string conversion" (a ValueError that names nothing) in place of the TypeError."""
     with pytest.raises(TypeError, match=r"^prompts must be .* got <an integer of 16610 bits> \(int\)"):
         llm.generate(10**5000, SP)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([3, 10 ** 5000], r"^token id\(s\) \[<an integer of \d+ bits>\] \(at index \[1\]\) outside the vocabulary"),
+    ([3, 10 ** 400, -1], r"^token id\(s\) \[<an integer of \d+ bits>, -1\] \(at index \[1, 2\]\)"),
+])
+def test_a_huge_out_of_vocabulary_id_is_named_not_printed(llm, want, prompt, match):
+    with pytest.raises(ValueError, match=match) as e:
+        llm.generate([prompt], SP)
+    assert len(str(e.value)) < 200
+    assert idle(llm) and llm.generate([[3, 4, 5]], SP)[0].token_ids == want
+
+
+@pytest.mark.parametrize("role", [["user"], {"r": 1}, 7, None])
+def test_a_role_of_the_wrong_type_is_named(llm, want, role):
+    with pytest.raises(ValueError, match=r"^messages\[0\]\.role must be one of system, user, assistant"):
+        llm.chat([{"role": role, "content": "hi"}], SP)
+    assert idle(llm) and llm.generate([[3, 4, 5]], SP)[0].token_ids == want
