@@ -121,24 +121,31 @@ class RequestState:
         self.decoded = end
 
     def _find_stop(self) -> tuple[int, str] | None:
+        # The text held back with an unfinished character is searched too (the detokenizer's
+        # `pending`: the " " of a token " \xf0\x9f"), so the request stops at the token that
+        # completes a stop string, not at the end of the character after it; it is searched again
+        # once it is text.
+        text = self.text + self.detok.pending if self.detok.pending else self.text
         start = max(0, self.searched - self.longest_stop + 1)
-        found = [(k, s) for s in self.params.stop if (k := self.text.find(s, start)) >= 0]
+        found = [(k, s) for s in self.params.stop if (k := text.find(s, start)) >= 0]
         self.searched = len(self.text)
         return min(found) if found else None
 
-    def add_tokens(self, ids: list[int], logprobs, now: float) -> tuple[int, str] | None:
+    def add_tokens(self, ids: list[int], logprobs, now: float, final: bool = False) -> tuple[int, str] | None:
         """Append a step's tokens. With stop strings, each token's text is searched as it lands:
         returns (where the text ends, the stop string) at the first token that completes one (the
-        tokens after it are dropped), else None."""
+        tokens after it are dropped), else None. final: the request ends with these tokens (the
+        last one's text is then final, an unfinished character's replacement mark included)."""
         self.token_times += [now] * len(ids)
         if logprobs is not None and self.params.logprobs is not None:
             self.logprobs += logprobs
         if not self.params.stop:
             self.token_ids += ids
             return None
+        last = len(self.token_ids) + len(ids)
         for tok in ids:
             self.token_ids.append(tok)
-            self._decode(len(self.token_ids))
+            self._decode(len(self.token_ids), final=final and len(self.token_ids) == last)
             hit = self._find_stop()
             if hit is not None:
                 del self.token_times[len(self.token_ids):], self.logprobs[len(self.token_ids):]
@@ -148,6 +155,15 @@ class RequestState:
     def finish(self, reason: str, stop_sources: dict, *, text_end: int | None = None,
                stop_string: str | None = None, done: Finished | None = None) -> RequestOutput:
         self._decode(len(self.token_ids), final=True)
+        if stop_string is None and self.params.stop:
+            # The text flushed just now (an unfinished character's replacement mark, held back
+            # until the end) is searched too, whoever ended the request: the text never shows a
+            # stop string.
+            hit = self._find_stop()
+            if hit is not None:
+                text_end = hit[0]
+                if reason in ("length", "stop"):
+                    reason, stop_string = "stop", hit[1]
         stop_reason = None
         if stop_string is not None:
             stop_reason = stop_string
@@ -215,7 +231,7 @@ class OutputProcessor:
             if state is None:
                 continue
             done = finished.get(rid)
-            hit = state.add_tokens(ids, logprobs.get(rid), now) if ids else None
+            hit = state.add_tokens(ids, logprobs.get(rid), now, final=done is not None) if ids else None
             if hit is not None:
                 state.finish("stop", self.stop_sources, text_end=hit[0], stop_string=hit[1])
                 if done is None:

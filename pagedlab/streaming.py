@@ -22,6 +22,10 @@ class IncrementalDetokenizer:
         self.tokenizer, self.skip_special = tokenizer, skip_special
         self.prefix = 0        # tokens [prefix, read) were decoded last time as the context ...
         self.read = 0          # ... and text up to `read` has been handed out
+        # The text held back with an unfinished character that is final already: " " while the token
+        # " \xf0\x9f" (a space and half of an emoji) waits for the rest of its character. Not
+        # handed out (a delta ends at a token boundary), but stop strings are looked for in it.
+        self.pending = ""
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special=self.skip_special)
@@ -35,7 +39,11 @@ class IncrementalDetokenizer:
         before = self._decode(ids[self.prefix:self.read])
         now = self._decode(ids[self.prefix:end])
         if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not final):
-            return ""                   # nothing new, or a character not complete yet: wait
+            # nothing new, or a character not complete yet: wait (its replacement marks at the end,
+            # one per byte with byte-fallback tokens, are not text yet; what is before them is)
+            self.pending = now.rstrip(REPLACEMENT)[len(before):]
+            return ""
+        self.pending = ""
         delta = now[len(before):]
         self.prefix, self.read = self.read, end
         return delta

@@ -328,6 +328,11 @@ class ByteTokenizer:
         return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
 
     def decode(self, ids, skip_special: bool = False) -> str:
+        """skip_special (a request's text): BOS and EOS ids are left out, as the other tokenizers
+        leave their special tokens out -- a request that stopped at EOS does not end in its byte."""
+        if skip_special:
+            specials = {self.bos_token_id, *self.eos_token_ids}
+            ids = [i for i in ids if int(i) not in specials]
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
     def chat(self, prompt_or_messages, system: str | None = None) -> list[int]:
