@@ -68,12 +68,12 @@ def _attend_o_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, w_ptr, s_ptr, r_ptr, o
     part = tl.sum(tl.sum(w.to(tl.float32) * attn[None, :, :], axis=2), axis=1)   # [BLOCK_R]
     last, acc, _, _ = _gather_splits(part[None, :], part[None, :], tl.zeros([1], dtype=tl.float32),
                                      ws_ptr, cnt_ptr, False, HKV, 1, BLOCK_R)
-    if last:
-        acc = tl.sum(acc, axis=0)
+    if last:       # (a new name: Triton 3.6 refuses a variable whose shape changes inside an `if`)
+        y = tl.sum(acc, axis=0)
         if HAS_SCALE:
-            acc = acc * tl.load(s_ptr + rows, mask=rmask, other=0.0)
-        acc += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
+            y = y * tl.load(s_ptr + rows, mask=rmask, other=0.0)
+        y += tl.load(r_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
 # BLOCK_R rows of O per program (BLOCK_R x G x D weight products in registers: 8,192 at 32 x 4 x 64,
