@@ -809,6 +809,7 @@ def main(argv=None):
                          "one_stream_variants.json), same run")
     ap.add_argument("--budget-s", type=float, default=200.0, help="with --variants: stop starting "
                     "new engines after this many seconds")
+    ap.add_argument("--rounds", type=int, default=3, help="with --attend-o --one-stream: off/on pairs per weights")
     ap.add_argument("--attend-o", action="store_true",
                     help="one token's attention + O projection: the engine's two launches against "
                          "kernels/attend_o.py's one, at contexts 258 / 1,024 / 1,900 (attend_o_bench.json; "
@@ -819,7 +820,7 @@ def main(argv=None):
     dev = torch.device("cuda")
     out = out_dir(args.out)
     if args.attend_o and args.one_stream:
-        attend_o_one_stream(out, argv)
+        attend_o_one_stream(out, argv, rounds=args.rounds)
         return
     if args.attend_o:
         meta = metadata("python -m pagedlab.bench.gemv", argv)
