@@ -16,6 +16,9 @@ from .conversation import DEMO_PROMPTS
 from .sampling import DEFAULT_MAX_TOKENS
 from .validation import ValidationError, check_device_present, check_int
 
+# what a bad argument raises once the model loads (its message is the error line; anything else
+# is a bug and keeps its traceback). MemoryError: a size no machine has, e.g. --slots 99999999999
+USER_ERRORS = (ValueError, OSError, NotImplementedError, MemoryError)
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 # the flag that sets each field (an error names the field as the user wrote it)
 FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "--slots (--max-num-seqs)",
@@ -26,6 +29,7 @@ FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "-
 def fail(message: str) -> None:
     """One line on stderr, exit status 2."""
     text = " ".join(str(message).split())
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")    # argv not UTF-8: shown escaped
     print(f"error: {text}", file=sys.stderr)
     raise SystemExit(USAGE_ERROR)
 
@@ -179,6 +183,8 @@ def check_serve_args(args) -> None:
         check_int("max_waiting", args.max_waiting, 0, note=" (requests queued beyond the slots before 503)")
         check_int("port", args.port, 0, 65535, note=" (0: any free port)")
         check_int("api_servers", args.api_servers, 1, note=" (front-end processes on the port)")
+        # (EngineConfig bounds it below only: 10**20 reached the engine core as an OverflowError)
+        check_int("max_model_len", args.max_model_len, 2, 2**31 - 1, optional=True)
     except ValidationError as e:
         fail(e.rule(flag_of(e.field)))
     if not args.host.strip():
@@ -193,8 +199,9 @@ def check_serve_args(args) -> None:
     try:
         with socket.create_server((args.host, args.port)):
             pass
-    except OSError as e:
-        fail(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e})")
+    except (OSError, UnicodeError, TypeError, ValueError) as e:   # TypeError: a host that is not UTF-8
+        fail(f"--host {args.host} --port {args.port}: cannot listen there "
+             f"({getattr(e, 'strerror', None) or e})")
 
 
 def serve(args) -> None:
@@ -330,6 +337,16 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The command line; Ctrl-C at any moment (checking arguments, importing torch, loading,
+    generating, serving) is one line, "interrupted", and exit status 130 (the shell's)."""
+    try:
+        return run(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def run(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         import importlib
@@ -339,16 +356,21 @@ def main(argv=None) -> int:
         check_serve_args(args)
     else:
         check_args(args)
+    from .core_process import CoreStartError
     from .weights import GatedModelError, ModelNotFound
     try:
-        {"demo": demo, "generate": generate, "serve": serve}[args.cmd](args)
+        try:
+            {"demo": demo, "generate": generate, "serve": serve}[args.cmd](args)
+        except CoreStartError as e:      # serve: the engine core's own error, when it is the user's
+            if isinstance(e.error, USER_ERRORS):
+                raise e.error from None
+            raise
     except (ModelNotFound, GatedModelError) as e:
         fail(f"--model: {e}")
-    except (ValueError, OSError, NotImplementedError) as e:   # OSError: a download, a file
-        fail(e)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except USER_ERRORS as e:             # OSError: a download, a file
+        fail(f"out of memory building the engine (MemoryError{': ' + str(e) if str(e) else ''}): a flag "
+             "asks for more than this machine has; see --slots and --max-model-len"
+             if isinstance(e, MemoryError) else e)
     return 0
 
 

@@ -28,12 +28,17 @@ end-of-file.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import gc
 import multiprocessing
+import multiprocessing.util         # (its exit hook registered before _end_cores: run after it)
 import os
 import signal
+import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 
 from .core_mailbox import outbox as make_outbox, pipe_ready
@@ -78,6 +83,10 @@ def freeze_heap() -> None:
         return
     gc.collect()
     gc.freeze()
+    # at exit, hand the frozen heap back: objects left frozen are never freed at shutdown, and
+    # triton's bindings (nanobind) then print ~30 lines of "leaked ..." per process on every stop
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
     g0, g1, g2 = gc.get_threshold()
     gc.set_threshold(max(g0, 50_000), g1, g2)
 
@@ -85,7 +94,7 @@ def freeze_heap() -> None:
 def core_main(inboxes, outboxes, llm_kwargs: dict, env: dict) -> None:
     """The core process: build the LLM, then loop. One inbox and one outbox per front end
     (core_mailbox.py). Messages in: ("add", items), ("abort", ids), ("stop",) (the sender leaves).
-    Out: ("ready", CoreInfo) | ("failed", traceback) once, then ("step", StepOutput) per step with
+    Out: ("ready", CoreInfo) | ("failed", (traceback, exception)) once, then ("step", StepOutput) per step with
     the sender's requests in it (("stats", dict) now and then otherwise), and ("died", traceback)
     if the engine fails."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the front end's to handle
@@ -99,8 +108,8 @@ def core_main(inboxes, outboxes, llm_kwargs: dict, env: dict) -> None:
         core = EngineCore(llm.engine)
         mailbox.tell_all(("ready", core_info(llm, core)))
         freeze_heap()
-    except BaseException:           # noqa: BLE001 -- told to the front ends, which raise it
-        mailbox.tell_all(("failed", traceback.format_exc()))
+    except BaseException as e:      # noqa: BLE001 -- told to the front ends, which raise it
+        mailbox.tell_all(("failed", (traceback.format_exc(), portable(e))))
         mailbox.close()
         return
     try:
@@ -110,6 +119,30 @@ def core_main(inboxes, outboxes, llm_kwargs: dict, env: dict) -> None:
     finally:
         mailbox.close()
         llm.close()
+
+
+class CoreStartError(RuntimeError):
+    """The engine core could not build its LLM. .error: the exception it raised there (None when
+    it did not survive pickling), so a caller can tell a bad model name (ModelNotFound, ValueError,
+    ...) from a bug; .core_traceback: the core's traceback (also in the message)."""
+
+    def __init__(self, core_traceback: str, error: BaseException | None = None):
+        super().__init__(f"the engine core failed to start:\n{core_traceback}")
+        self.core_traceback, self.error = core_traceback, error
+
+    def __reduce__(self):               # (crosses pipes: serve --api-servers' front ends)
+        return type(self), (self.core_traceback, self.error)
+
+
+def portable(e: BaseException) -> BaseException | None:
+    """`e` if it pickles and unpickles as itself (it crosses a pipe), else None."""
+    import pickle
+    try:
+        pickle.loads(pickle.dumps(e))
+        e.__traceback__ = None                # (the text travels beside it)
+        return e
+    except Exception:                      # noqa: BLE001
+        return None
 
 
 def run_core(core, mailbox) -> None:
@@ -139,6 +172,41 @@ def run_core(core, mailbox) -> None:
             timing["handout_s"] += clock() - t2 - core.last_step_s
 
 
+_started: "weakref.WeakSet" = weakref.WeakSet()      # the core processes this process started
+
+
+@atexit.register
+def _end_cores() -> None:
+    """At exit, end the core processes still running (registered after multiprocessing's own exit
+    hook, so run before it: that one joins every non-daemon child, and a core whose front end never
+    said "stop" -- a Ctrl-C landed between its start and the code that would stop it -- waits on its
+    open pipes for ever, and so did the exit)."""
+    for process in list(_started):
+        if process.is_alive():
+            process.terminate()
+            process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Start child processes in this block: they begin with SIGINT ignored. A Ctrl-C in a terminal
+    reaches the whole process group, and a spawned child takes a second or more to import torch
+    and pagedlab before core_main can ignore it, so a Ctrl-C then printed a KeyboardInterrupt
+    traceback from the child's imports (Ctrl-C is the parent's to handle: it stops the child). An
+    ignored signal stays ignored across the exec of a spawned child, and Python leaves it so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                           # (signal handlers are set from the main thread only)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def start_core(llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core", frontends: int = 1):
     """Start a core process with a pair of pipes per front end; returns (the process, [(inbox to
     write, outbox to read)] per front end). The core holds the other ends alone: a front end that
@@ -153,7 +221,9 @@ def start_core(llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-
         ends.append((inbox_w, outbox_r))
     process = ctx.Process(target=core_main, args=(core_in, core_out, llm_kwargs, env or {}),
                           name=name, daemon=False)       # a core may start its own workers (TP)
-    process.start()
+    with sigint_ignored():
+        process.start()
+    _started.add(process)
     for conn in core_in + core_out:       # only the core holds these ends: its exit is our end-of-file
         conn.close()
     return process, ends
@@ -184,7 +254,8 @@ class CoreLink:
                 "`if __name__ == \"__main__\":` (not from stdin), or serve an LLM of this process "
                 "with serve(llm) (its core on a thread)") from None
         if kind == "failed":
-            raise RuntimeError(f"the engine core failed to start:\n{what}")
+            text, error = what if isinstance(what, tuple) else (what, None)
+            raise CoreStartError(text, error)
         self.info = what
         return what
 

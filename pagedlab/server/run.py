@@ -16,6 +16,7 @@ server (the CLI exits with status 1: a supervisor restarts it); a background one
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -81,9 +82,50 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(0)
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, whose requests still open when it stops end with an answer. uvicorn lets
+    them run `timeout_graceful_shutdown` s, then cancels their tasks: a stream is cut mid-body (the
+    client reads "incomplete chunked read", no error event, no [DONE]) and each logs a traceback
+    of its CancelledError; after a second Ctrl-C (force exit) it does not wait at all and asyncio
+    cancels them the same way. Here, just before that, every open request is ended as a shutdown
+    ends it (finish_reason "abort": a stream's error event "the server is shutting down" and
+    [DONE], a whole answer's 503) and given a moment to be sent."""
+
+    END_AFTER_S = 1.0           # before uvicorn's grace runs out (its default: 5 s, app.uvicorn_config)
+    SEND_S = 1.0                # for the ended requests' last bytes
+
+    def __init__(self, config, async_llm: AsyncLLM):
+        super().__init__(config)
+        self.async_llm = async_llm
+
+    def end_open_requests(self) -> None:
+        self.async_llm._end_callers(lambda caller: True, "abort", None)
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+
+        async def end_in_time():
+            await asyncio.sleep(max(0.0, grace - self.END_AFTER_S) if grace is not None else 1e9)
+            self.end_open_requests()
+        ender = asyncio.ensure_future(end_in_time())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+        tasks = [t for t in self.server_state.tasks if not t.done()]
+        if tasks:                   # a forced exit (second Ctrl-C): uvicorn waited for nothing
+            self.end_open_requests()
+            await asyncio.wait(tasks, timeout=self.SEND_S)
+            if self.force_exit:     # (uvicorn skips the app's shutdown: a task left on the loop
+                try:        # is cancelled by asyncio.run with a traceback)
+                    await asyncio.wait_for(self.lifespan.shutdown(), self.SEND_S)
+                except (asyncio.TimeoutError, Exception):      # noqa: BLE001
+                    pass
+
+
 def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: int, log_level: str):
     app = build_app(async_llm, model_name, max_waiting=max_waiting)
-    return uvicorn.Server(uvicorn_config(app, log_level, host=host, port=port)), app
+    return Server(uvicorn_config(app, log_level, host=host, port=port), async_llm), app
 
 
 def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
@@ -102,29 +144,29 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
         return serve_frontends(llm, name, host, port, max_waiting, background, log_level, data_parallel_size,
                                on_ready, api_servers, **llm_kwargs)
     async_llm = make_async_llm(llm, data_parallel_size, **llm_kwargs)
-    try:
+    died = []
+    try:            # from here on, whatever stops us (Ctrl-C included) stops the engine cores too
         server, app = make_server(async_llm, name, host, port, max_waiting, log_level)
+
+        def on_core_death(k, why):
+            died.append(why)
+            print(f"pagedlab: engine core {k} died ({why}); stopping the server", file=sys.stderr, flush=True)
+            if not background:
+                server.should_exit = True
+        async_llm.on_core_death = on_core_death
+        if on_ready is not None:
+            on_ready(async_llm)
     except BaseException:
         async_llm.shutdown()
         raise
-    died = []
-
-    def on_core_death(k, why):
-        died.append(why)
-        print(f"pagedlab: engine core {k} died ({why}); stopping the server", file=sys.stderr, flush=True)
-        if not background:
-            server.should_exit = True
-    async_llm.on_core_death = on_core_death
-    if on_ready is not None:
-        on_ready(async_llm)
     if not background:
         # uvicorn stops gracefully on SIGINT / SIGTERM, then raises the signal again for us: SIGTERM
         # becomes a normal exit (engine cores stopped below), not a kill
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-        freeze_heap()          # the process is the server's alone (a caller's thread keeps its GC as it is)
-        try:
-            server.run()
-        finally:
+        try:        # (a Ctrl-C during freeze_heap, right after "serving ...", left the core running
+            freeze_heap()      # and the exit waiting for it for ever: multiprocessing joins it)
+            server.run()       # (freeze_heap: the process is the server's alone; a caller's thread
+        finally:               # keeps its GC as it is)
             signal.signal(signal.SIGTERM, previous)
             async_llm.shutdown()
         if died:
