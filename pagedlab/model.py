@@ -139,7 +139,6 @@ class LlamaModel:
         else:
             h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         qkv_attend = self._qkv_attend(meta, t)
-        attend_o = None if qkv_attend is not None else self._attend_o(meta, t)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
             # prefetch=: the matrix the next kernel streams (the Triton launchers may pull it into
@@ -154,14 +153,9 @@ class LlamaModel:
                 q = ops.norm_qkv_rope_store(h, layer["attn_norm"], eps, layer["qkv"], positions, self.cos_sin,
                                             k_cache, v_cache, meta.slot_mapping, self.num_heads,
                                             **_prefetch(ops.norm_qkv_rope_store, layer["o"]))
-                if attend_o is None:
-                    o = attend(ops, q, k_cache, v_cache, meta, self.scale)
-            if attend_o is not None:        # one decode token: attention inside the O launch
-                h = attend_o(q, k_cache, v_cache, meta.decode_block_table, meta.decode_seq_lens, self.scale,
-                             layer["o"], h)
-            else:
-                h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h,
-                                          prefetch=layer["gate_up"])
+                o = attend(ops, q, k_cache, v_cache, meta, self.scale)
+            h = self._linear_residual(o.reshape(t, self.num_heads * c.head_dim), layer["o"], h,
+                                      prefetch=layer["gate_up"])
             a = ops.norm_swiglu(h, layer["mlp_norm"], eps, layer["gate_up"],
                                 **_prefetch(ops.norm_swiglu, layer["down"]))
             h = self._linear_residual(a, layer["down"], h, prefetch=nxt)
@@ -185,19 +179,6 @@ class LlamaModel:
         if meta.num_prefill_tokens != 0 or meta.num_decode_tokens != t:
             return None
         return fn
-
-    def _attend_o(self, meta: AttentionMetadata, t: int):
-        """The kernels' attention-inside-O function (select_kernels' attend_o, off by default) for a
-        step of ONE decode token within its context bound, on one GPU, while it still fuses the
-        model's own decode attention and O projection; else None."""
-        ops = self.kernels
-        fn = getattr(ops, "attend_o_residual", None)
-        if fn is None or self.tp is not None or getattr(ops, "attend_o_fuses", None) != (
-                ops.decode_attention, ops.linear_residual):
-            return None
-        if t != 1 or meta.num_prefill_tokens != 0 or meta.num_decode_tokens != 1:
-            return None
-        return fn if meta.max_seq_len is not None and meta.max_seq_len <= ops.attend_o_max_ctx else None
 
     # -- tensor parallelism: the three places where ranks talk -----------------------------------
     def _linear_residual(self, x, w, h, prefetch=None):

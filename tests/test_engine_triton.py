@@ -51,32 +51,6 @@ def test_one_stream_with_prefetch_gives_the_same_tokens():
     assert got[0].token_ids == ref
 
 
-def test_one_stream_with_attention_inside_the_o_launch(monkeypatch):
-    """One stream with the decode attention inside the O projection's launch (select_kernels'
-    attend_o, kernels/attend_o.py): the torch backend's tokens, every decode step's layers took
-    that path, and a context bound below the graph's turns it off (the two launches as before)."""
-    from pagedlab.kernels import attend_o as ao
-    from pagedlab.kernels import select_kernels
-    calls = []
-    real = ao.attend_o_residual_triton
-
-    def spy(*args, **kw):
-        calls.append(1)
-        return real(*args, config={"BLOCK_R": 16}, **kw)     # several row blocks at the tiny shapes
-    monkeypatch.setattr(ao, "attend_o_residual_triton", spy)
-    sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
-    kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
-    prompt = [[5, 6, 7, 8, 9, 10, 3]]
-    ref = tiny_llm(attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids
-    got = tiny_llm(attention_backend="triton", kernel_options=dict(attend_o=64), **kw)
-    assert got.generate(prompt, sp)[0].token_ids == ref
-    assert len(calls) >= 2 * got.model.config.num_layers               # two decode steps, every layer
-    calls.clear()
-    short = tiny_llm(attention_backend="triton", kernel_options=dict(attend_o=7), **kw)   # contexts are 8, 9
-    assert short.generate(prompt, sp)[0].token_ids == ref and not calls
-    assert "attend_o_residual" not in vars(select_kernels("triton", attend_o=0))
-
-
 def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
     """One stream with the decode attention run in the QKV launch's tail (GEMV_CONFIG's ATTN,
     K split in two): the torch backend's tokens, and every decode step's layers took that path."""

@@ -31,12 +31,6 @@ the weight read rate (weight bytes / time) beside the device's copy bandwidth fr
                                                   # the step's fixed costs: each launch change
                                                   # alone, then the best together, bf16 and FP8
                                                   # (one_stream_latency.json)
-    python -m pagedlab bench gemv --attend-o [--fp8]
-                                                  # one token's attention + O: two launches against
-                                                  # kernels/attend_o.py's one (attend_o_bench.json)
-    python -m pagedlab bench gemv --attend-o --one-stream
-                                                  # the engine's one stream with it off and on,
-                                                  # alternating (attend_o_one_stream.json)
 
 Each launch gets its config explicitly (`config=`); the tuned configs are used by passing them,
 never by changing gemv.GEMV_CONFIG.
@@ -219,8 +213,7 @@ _CKPT = None
 
 
 def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, stream=True,
-                      decode_variant="auto", long_context=0, breakdown=False, decode_config=None,
-                      attend_o=None) -> dict:
+                      decode_variant="auto", long_context=0, breakdown=False, decode_config=None) -> dict:
     """One stream through the public API (bench engine's one_stream), the batch-1 graph replay
     (GPU only, context 256; long_context > 0: also at that context, graph_long_us) and,
     profile=True, its kernels' times (torch profiler); breakdown=True: the launches of one
@@ -237,8 +230,6 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
         opts["pdl"] = pdl
     if decode_config is not None:
         opts["decode_config"] = decode_config
-    if attend_o is not None:
-        opts["attend_o"] = attend_o
     global _CKPT
     if _CKPT is None:
         from pagedlab.weights import load_checkpoint
@@ -246,7 +237,7 @@ def engine_one_stream(weights: str, gemv_config=None, pdl=None, profile=True, st
     llm = LLM(checkpoint=_CKPT, device="cuda", dtype="bfloat16", max_num_seqs=8,
               max_model_len=2048, show_progress=False, quantization=None if weights == "bf16" else weights,
               kernel_options=opts or None, decode_variant=decode_variant)
-    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl, decode_variant=decode_variant, attend_o=attend_o)
+    res = dict(weights=weights, gemv_config=gemv_config, pdl=pdl, decode_variant=decode_variant)
     if stream:
         res["one_stream"] = one_stream(llm, random_prompt(), keep_tokens=True)
         res["token_ids"] = res["one_stream"].pop("token_ids")[0]
@@ -401,99 +392,6 @@ def attention_one_token(dev, context: int = 256, layers: int = 16) -> list:
         rows.append(dict(variant=variant, num_splits=splits, change=change, context=context, us=us))
         print(f"  attention {variant} splits={splits} {change}: {us:.2f} us per layer", flush=True)
     return rows
-
-
-def attend_o_bench(dev, fp8: bool = False, contexts=(258, 1024, 1900), layers: int = 16) -> list:
-    """`--attend-o`: one decode token's attention + O projection (+ residual), Llama-3.2-1B heads,
-    batch 1, pages of 16, `layers` distinct caches and O weights (so the weights stream from DRAM as
-    in a step), in a CUDA graph: the two launches the engine runs (decode attention auto, then the
-    fused O GEMV) against kernels/attend_o.py's one launch at a few launch configs. Also each fused
-    config's relative difference from the two launches (bf16 rounding only: same math)."""
-    from pagedlab.kernels import decode_attention as da
-    from pagedlab.kernels.attend_o import attend_o_residual_triton
-    from pagedlab.quantization import quantize_weight
-    gen = torch.Generator(device=dev).manual_seed(2)
-    ws = [(torch.randn(HIDDEN, HQ * D, generator=gen, device=dev) * (HQ * D) ** -0.5).bfloat16()
-          for _ in range(layers)]
-    if fp8:
-        ws = [quantize_weight(w) for w in ws]
-    rs = [torch.randn(1, HIDDEN, generator=gen, device=dev).bfloat16() for _ in range(layers)]
-    q = torch.randn(1, HQ, D, generator=gen, device=dev).bfloat16()
-    configs = [dict(BLOCK_R=r, BLOCK_N=n, num_warps=nw, num_stages=1)
-               for r, n, nw in ((16, 128, 4), (32, 128, 4), (32, 64, 4), (64, 128, 8), (128, 128, 8))]
-    rows = []
-    for context in contexts:
-        nb = (context + 15) // 16
-        caches = [(torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16(),
-                   torch.randn(nb, 16, HKV, D, generator=gen, device=dev).bfloat16()) for _ in range(layers)]
-        table = torch.randperm(nb, generator=gen, device=dev).int()[None]
-        lens = torch.tensor([context], dtype=torch.int32, device=dev)
-
-        def two(i):
-            kc, vc = caches[i]
-            a = da.decode_attention_triton(q, kc, vc, table, lens, D ** -0.5, context)
-            return gemv.linear_residual_triton(a.reshape(1, HQ * D), ws[i], rs[i])
-        base = graph_time_us([lambda i=i: two(i) for i in range(layers)])
-        ref = two(0).double()
-        row = dict(context=context, fp8=fp8, two_launches_us=base, fused=[])
-        print(f"  context {context}: attention + O, two launches {base:.2f} us per layer", flush=True)
-        for cfg in configs:
-            try:
-                us = graph_time_us([lambda i=i, c=cfg: attend_o_residual_triton(
-                    q, *caches[i], table, lens, D ** -0.5, ws[i], rs[i], config=c) for i in range(layers)])
-                got = attend_o_residual_triton(q, *caches[0], table, lens, D ** -0.5, ws[0], rs[0], config=cfg)
-            except Exception as e:
-                print(f"    skip {cfg}: {type(e).__name__}: {e}", flush=True)
-                continue
-            err = ((got.double() - ref).norm() / ref.norm()).item()
-            row["fused"].append(dict(config=cfg, us=us, rel_diff=err))
-            print(f"    one launch {cfg}: {us:.2f} us ({base / us:.2f}x), rel. difference {err:.1e}", flush=True)
-        rows.append(row)
-    return rows
-
-
-def attend_o_one_stream(out, argv=None, rounds: int = 3, bound: int = 2048) -> dict:
-    """`--attend-o --one-stream`: the engine's one stream (128-token prompt, 256 new) and its
-    batch-1 graph replay at contexts 258 and 1,900, with the attention inside the O launch off
-    (attend_o=0) and on (attend_o=bound), alternating off/on `rounds` times, bf16 then FP8, one
-    process; each run's tokens against the first off run of its weights (attend_o_one_stream.json)."""
-    import statistics
-    meta = metadata("python -m pagedlab.bench.gemv", argv)
-    print(device_line(meta), flush=True)
-    res = dict(meta=meta, bound=bound, runs=[], summary={})
-    path = out / "attend_o_one_stream.json"
-    for weights in ("bf16", "fp8"):
-        first = None
-        for rnd in range(rounds):
-            for name, ao in (("off", 0), ("on", bound)):
-                try:
-                    r = engine_one_stream(weights, profile=False, long_context=1900, attend_o=ao)
-                except Exception as e:                  # keep what was measured
-                    print(f"  {weights} attend_o {name}: {type(e).__name__}: {e}", flush=True)
-                    res["runs"].append(dict(weights=weights, attend_o=name, error=f"{type(e).__name__}: {e}"))
-                    continue
-                ids = r.pop("token_ids")
-                first = first if first is not None else ids
-                r.update(attend_o=name, round=rnd,
-                         same_tokens_as_first_off=sum(a == b for a, b in zip(ids, first)) / max(1, len(ids)))
-                res["runs"].append(r)
-                write_json(path, res)
-        for name in ("off", "on"):
-            rs = [r for r in res["runs"] if r.get("weights") == weights and r.get("attend_o") == name
-                  and "graph_us" in r]
-            if rs:
-                res["summary"][f"{weights}_{name}"] = dict(
-                    tokens_per_s=statistics.median(r["one_stream"]["tokens_per_s"] for r in rs),
-                    graph_us=statistics.median(r["graph_us"] for r in rs),
-                    graph_long_us=statistics.median(r["graph_long_us"] for r in rs),
-                    same_tokens=min(r["same_tokens_as_first_off"] for r in rs))
-        for k, v in res["summary"].items():
-            if k.startswith(weights):
-                print(f"{k}: one stream {v['tokens_per_s']:.1f} tok/s, graph {v['graph_us']:.1f} us at 258, "
-                      f"{v['graph_long_us']:.1f} us at 1,900, same tokens as off >= {v['same_tokens']:.3f}",
-                      flush=True)
-    write_json(path, res)
-    return res
 
 
 def one_stream_probe(out, argv=None, before=None) -> dict:
@@ -809,25 +707,10 @@ def main(argv=None):
                          "one_stream_variants.json), same run")
     ap.add_argument("--budget-s", type=float, default=200.0, help="with --variants: stop starting "
                     "new engines after this many seconds")
-    ap.add_argument("--rounds", type=int, default=3, help="with --attend-o --one-stream: off/on pairs per weights")
-    ap.add_argument("--attend-o", action="store_true",
-                    help="one token's attention + O projection: the engine's two launches against "
-                         "kernels/attend_o.py's one, at contexts 258 / 1,024 / 1,900 (attend_o_bench.json; "
-                         "with --fp8 FP8 O weights); with --one-stream: the engine's one stream with it "
-                         "off and on, alternating, bf16 and FP8 (attend_o_one_stream.json)")
     args = ap.parse_args(argv)
     require_cuda("bench gemv")
     dev = torch.device("cuda")
     out = out_dir(args.out)
-    if args.attend_o and args.one_stream:
-        attend_o_one_stream(out, argv, rounds=args.rounds)
-        return
-    if args.attend_o:
-        meta = metadata("python -m pagedlab.bench.gemv", argv)
-        print(device_line(meta))
-        write_json(out / ("attend_o_fp8_bench.json" if args.fp8 else "attend_o_bench.json"),
-                   dict(meta=meta, rows=attend_o_bench(dev, args.fp8)))
-        return
     if args.one_stream and args.variants:
         if args.variants == "prefetch":
             one_stream_variants(out, argv, args.budget_s)

@@ -10,7 +10,6 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
 
 import functools
 import importlib
-import os
 from types import SimpleNamespace
 
 # The kernel functions the model calls, by file. RMSNorm, RoPE, the K/V store and SiLU-and-mul
@@ -25,7 +24,7 @@ KERNEL_FAMILIES = {
 
 def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
                    decode_config=None, prefill_config=None, gemv_config=None,
-                   pdl: str | None = None, attend_o: int | None = None) -> SimpleNamespace:
+                   pdl: str | None = None) -> SimpleNamespace:
     """The kernel functions the model calls, from one backend: "torch" (the references, any
     device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -37,9 +36,6 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
                       e.g. {"long": {"num_stages": 2}}
       gemv_config     changes to gemv.GEMV_CONFIG, e.g. {"residual": {"num_warps": 8}}
       pdl             "off" | "late" | None (the device's default; pdl.py)
-      attend_o        one stream's decode attention inside the O projection's launch
-                      (attend_o.py) up to this context bound; 0 = off, the default (None: the
-                      environment's PAGEDLAB_ATTEND_O, else 0) -- not measured in the engine yet
     Each config is merged into the module's defaults (launch.merge_config: unknown names are an
     error) and the defaults themselves never change. The torch references take no launch
     settings: they are checked, and not used. The result's `options` holds the merged settings."""
@@ -89,12 +85,4 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
             norm_qkv_rope_store_attend_triton, config=options["gemv_config"][key], pdl=pdl,
             fp8_config=options["gemv_config"][key + "_fp8"], decode_attention=fns["decode_attention"])
         extra["attend_fuses"] = (fns["norm_qkv_rope_store"], fns["decode_attention"])
-    attend_o = int(os.environ.get("PAGEDLAB_ATTEND_O", "0") or 0) if attend_o is None else int(attend_o)
-    if backend == "triton" and attend_o > 0 and decode_variant in ("auto", "gqa"):
-        # used by the model for a step of one decode token whose context bound is at most attend_o,
-        # while `attend_o_fuses` still names the two functions it replaces (model._attend_o)
-        from .attend_o import attend_o_residual_triton
-        extra.update(attend_o_residual=attend_o_residual_triton, attend_o_max_ctx=attend_o,
-                     attend_o_fuses=(fns["decode_attention"], fns["linear_residual"]))
-    options["attend_o"] = attend_o
     return SimpleNamespace(backend=backend, options=options, **fns, **extra)

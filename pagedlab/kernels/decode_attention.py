@@ -300,8 +300,7 @@ def group_attention(q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, sm_scale, b, kvh,
     of KV head kvh of sequence b over the whole paged context, the same loop and online softmax as
     _decode_gqa_kernel. Returns (out [GP, D] fp32, its q rows, the mask of the G real heads). Every
     load goes through L2 (.cg), never a possibly stale L1 line: its callers read q and this step's
-    K/V that OTHER programs of the same launch may have written (attend_group) or that the launch
-    before wrote (attend_o.py). D must be a power of two >= 16 (the launchers check)."""
+    K/V that OTHER programs of the same launch may have written (attend_group). D must be a power of two >= 16 (the launchers check)."""
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
