@@ -19,6 +19,9 @@ from .validation import ValidationError, check_device_present, check_int
 # what a bad argument raises once the model loads (its message is the error line; anything else
 # is a bug and keeps its traceback). MemoryError: a size no machine has, e.g. --slots 99999999999
 USER_ERRORS = (ValueError, OSError, NotImplementedError, MemoryError)
+# EngineConfig fields that only the model can check (config.check_max_model_len): a bad one is an
+# error line naming its flag ("error: --max-model-len: max_model_len must be at most 2048, ...")
+MODEL_CHECKED = ("max_model_len",)
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 # the flag that sets each field (an error names the field as the user wrote it)
 FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "--slots (--max-num-seqs)",
@@ -72,6 +75,9 @@ def build_objects(args, sampling: bool = True) -> None:
     from .llm import parallel_sizes
     from .sampling import SamplingParams
     try:
+        # (EngineConfig bounds it below only: 10**20 reached the engine core as an OverflowError;
+        # above the model's own limit it is refused once the model is read: config.check_max_model_len)
+        check_int("max_model_len", getattr(args, "max_model_len", None), 2, 2**31 - 1, optional=True)
         args.params = SamplingParams(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=getattr(args, "top_k", 0),
             top_p=getattr(args, "top_p", 1.0), seed=getattr(args, "seed", None)) if sampling else None
@@ -183,8 +189,6 @@ def check_serve_args(args) -> None:
         check_int("max_waiting", args.max_waiting, 0, note=" (requests queued beyond the slots before 503)")
         check_int("port", args.port, 0, 65535, note=" (0: any free port)")
         check_int("api_servers", args.api_servers, 1, note=" (front-end processes on the port)")
-        # (EngineConfig bounds it below only: 10**20 reached the engine core as an OverflowError)
-        check_int("max_model_len", args.max_model_len, 2, 2**31 - 1, optional=True)
     except ValidationError as e:
         fail(e.rule(flag_of(e.field)))
     if not args.host.strip():
@@ -258,6 +262,8 @@ def build_parser() -> ArgumentParser:
                              f"{EngineConfig.memory_fraction}; on cpu the pool holds every slot at full length)")
         sp.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"], help="attention kernels")
         prefix_caching_flag(sp)
+        sp.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="longest sequence, prompt and answer (default: the model's own limit)")
         sp.add_argument("--quantization", default=None, choices=["fp8"],
                         help="fp8: linear weights in FP8 e4m3, per-channel scales (GPUs of compute capability 8.9+, or cpu)")
         sp.add_argument("--max-tokens", "--max-new-tokens", dest="max_new_tokens", type=int, metavar="N",
@@ -367,6 +373,10 @@ def run(argv=None) -> int:
             raise
     except (ModelNotFound, GatedModelError) as e:
         fail(f"--model: {e}")
+    except ValidationError as e:         # a flag checked against the model once it is read
+        if e.owner is None and e.field in MODEL_CHECKED:
+            fail(f"{flag_of(e.field)}: {e.rule()}")
+        fail(e)
     except USER_ERRORS as e:             # OSError: a download, a file
         fail(f"out of memory building the engine (MemoryError{': ' + str(e) if str(e) else ''}): a flag "
              "asks for more than this machine has; see --slots and --max-model-len"

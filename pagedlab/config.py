@@ -295,6 +295,19 @@ def max_positions(cfg: "EngineConfig", model_config: ModelConfig) -> int:
     return cfg.max_model_len or model_config.max_position_embeddings
 
 
+def check_max_model_len(cfg: "EngineConfig", model_config: ModelConfig) -> None:
+    """max_model_len may not pass the model's own limit (max_position_embeddings), as vLLM refuses
+    it too: positions past it were never trained, and a far larger one (999999999) built a RoPE
+    table no machine holds ("can't allocate memory", a traceback). Checked once the model's config
+    is read, before anything of the model's size is built (LLM.__init__)."""
+    limit = model_config.max_position_embeddings
+    if cfg.max_model_len is not None and cfg.max_model_len > limit:
+        raise ValidationError(
+            "max_model_len", f"at most {limit}, the model's own limit (max_position_embeddings of "
+            f"{model_config.name or 'this model'})", cfg.max_model_len,
+            ": leave it out to use the model's limit, or give a smaller one")
+
+
 def resolve_device_dtype(device=None, dtype=None):
     """(torch.device, torch.dtype) to run on. device None -> CUDA when torch sees a GPU, else CPU;
     dtype None -> on CUDA bfloat16 where the GPU has bf16 tensor cores (compute capability >= 8.0,

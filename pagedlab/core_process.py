@@ -29,19 +29,18 @@ end-of-file.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import multiprocessing
 import multiprocessing.util         # (its exit hook registered before _end_cores: run after it)
 import os
 import signal
-import threading
 import time
 import traceback
 import weakref
 from dataclasses import dataclass, field
 
 from .core_mailbox import outbox as make_outbox, pipe_ready
+from .interrupts import sigint_ignored  # noqa: F401 (here too: the servers start children under it)
 
 READY_TIMEOUT_S = 1800.0      # loading a model (and compiling kernels) before the core answers
 IDLE_SLICE_S = 0.25           # an idle core sends its stats this often (idle time in /metrics)
@@ -188,23 +187,6 @@ def _end_cores() -> None:
         if process.is_alive():
             process.kill()
             process.join(5)
-
-
-@contextlib.contextmanager
-def sigint_ignored():
-    """Start child processes in this block: they begin with SIGINT ignored. A Ctrl-C in a terminal
-    reaches the whole process group, and a spawned child takes a second or more to import torch
-    and pagedlab before core_main can ignore it, so a Ctrl-C then printed a KeyboardInterrupt
-    traceback from the child's imports (Ctrl-C is the parent's to handle: it stops the child). An
-    ignored signal stays ignored across the exec of a spawned child, and Python leaves it so."""
-    if threading.current_thread() is not threading.main_thread():
-        yield                           # (signal handlers are set from the main thread only)
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def start_core(llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core", frontends: int = 1):

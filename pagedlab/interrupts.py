@@ -42,6 +42,7 @@ Limits, on purpose:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -195,3 +196,19 @@ def atomic(fn):
             return fn(*args, **kwargs)
     return section
 
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Start child processes in this block: they begin with SIGINT ignored. A Ctrl-C in a terminal
+    reaches the whole process group, and a spawned child takes a second or more to import torch
+    and pagedlab before core_main can ignore it, so a Ctrl-C then printed a KeyboardInterrupt
+    traceback from the child's imports (Ctrl-C is the parent's to handle: it stops the child). An
+    ignored signal stays ignored across the exec of a spawned child, and Python leaves it so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                           # (signal handlers are set from the main thread only)
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import torch
 
-from .config import EngineConfig, resolve_backend, resolve_device_dtype  # noqa: F401 (resolve_backend: here too)
+from .config import (EngineConfig, check_max_model_len, resolve_backend,  # noqa: F401 (resolve_backend: here too)
+                     resolve_device_dtype)
 from .conversation import check_conversation, is_conversation
 from .cpu_threads import apply_cpu_thread_policy
 from .engine_args import engine_config_kwargs
@@ -188,6 +189,7 @@ class LLM:
             load_checkpoint(model, seed=seed, show_progress=show_progress)
         backend = resolve_backend(engine_config.attention_backend, device)
         check_split(ckpt.config, tp)
+        check_max_model_len(engine_config, ckpt.config)   # before the model's RoPE table, KV pool, workers
         tokenizer = tokenizer or make_tokenizer(ckpt)
         self.tensor_parallel_size, self.data_parallel_size = tp, dp
         self._workers = self._router = None

@@ -47,6 +47,9 @@ class ValidationError(ValueError):
         self.shown = show(found) if shown is None else shown
         super().__init__(self.text())
 
+    def __reduce__(self):                   # pickles as itself (crosses pipes: an engine core's error)
+        return type(self), (self.field, self.expected, self.found, self.hint, self.owner, self.shown)
+
     def rule(self, name: str | None = None) -> str:
         """The message without its owner: "<name> must be <expected>, found <value><hint>"; name:
         the door's name for the field (a CLI flag, a JSON field), default the field's own."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import random_prompts, tiny_llm
-from pagedlab import SamplingParams
+from pagedlab import SamplingParams, tiny_config
 # the same randomized stream (some requests stop on EOS) and its one-at-a-time reference
 from test_scheduler import check_invariants, reference, run_stream, stream  # noqa: F401
 
@@ -145,9 +145,11 @@ def test_steps_run_ahead_past_requests_ending_by_length(monkeypatch, past_ends, 
     rng, rnd = torch.Generator().manual_seed(seed), random.Random(seed)
     prompts = random_prompts(14, 512, rng, lo=2, hi=30)
     params = [SamplingParams(max_new_tokens=rnd.randint(1, 40), ignore_eos=True) for _ in prompts]
-    want = [o.token_ids for o in tiny_llm(max_num_seqs=slots, num_blocks=512, max_model_len=max_model_len)
-            .generate(prompts, params)]
-    llm = overlapped_llm(max_num_seqs=slots, num_blocks=512, max_model_len=max_model_len)
+    # a model whose own limit allows max_model_len (2048: past the tiny model's 256, which is refused)
+    kw = dict(max_num_seqs=slots, num_blocks=512, max_model_len=max_model_len,
+              config=tiny_config(max_position_embeddings=max(256, max_model_len)))
+    want = [o.token_ids for o in tiny_llm(**kw).generate(prompts, params)]
+    llm = overlapped_llm(**kw)
     eng, launch, past = llm.engine, llm.engine.runner.launch, []
 
     def watched(batch, after=None):

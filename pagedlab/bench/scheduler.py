@@ -103,6 +103,14 @@ def run_overlap_loop(seed: int = 0, requests: int = 512, slots: int = 256, cachi
     return dict(decode_us_per_step=decode_s / decode_steps * 1e6, decode_steps=decode_steps, steps=steps)
 
 
+def tiny_checkpoint(positions: int):
+    """random:tiny's weights with room for `positions` (the lab's burst runs past its own 256, and
+    max_model_len may not pass a model's limit)."""
+    from pagedlab.config import tiny_config
+    from pagedlab.weights import load_checkpoint
+    return load_checkpoint(tiny_config(max_position_embeddings=positions), show_progress=False)
+
+
 def run_engine_host(passes: int = 3) -> dict:
     """`--engine-host`: the whole engine's host path with no model -- LLM.generate of the burst on a
     tiny random Llama whose forward returns constant logits at once (the CUDA-graph code path run
@@ -110,7 +118,8 @@ def run_engine_host(passes: int = 3) -> dict:
     This process's CPU seconds per pass and the decode-only steps' phases."""
     import torch
     from pagedlab import LLM
-    llm = LLM("random:tiny", max_num_seqs=256, max_model_len=1024, num_blocks=256 * 40, show_progress=False,
+    llm = LLM(checkpoint=tiny_checkpoint(1024), max_num_seqs=256, max_model_len=1024, num_blocks=256 * 40,
+              show_progress=False,
               cuda_graphs="eager")
     engine = llm.core.engine
     vocab = engine.runner.model.config.vocab_size
@@ -154,7 +163,8 @@ def host_profile(model: str = "random:llama-3.2-1b", top: int = 45, requests: in
     import pstats
 
     from pagedlab import LLM
-    llm = LLM(model, max_num_seqs=256, max_model_len=2048, show_progress=False)
+    kw = dict(checkpoint=tiny_checkpoint(2048)) if model == "random:tiny" else dict(model=model)
+    llm = LLM(max_num_seqs=256, max_model_len=2048, show_progress=False, **kw)
     vocab = min(32000, llm.core.engine.runner.model.config.vocab_size)
     llm.generate(*burst(0, requests, vocab))
     prompts, params = burst(1, requests, vocab)

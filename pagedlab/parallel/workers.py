@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..interrupts import sigint_ignored
 from .group import ParallelGroup, WorkerFailed
 from .shard import shard, split_rule
 
@@ -35,6 +38,7 @@ SETUP = timedelta(minutes=10)   # joining the world and receiving the weights
 START_TIMEOUT_S = 600.0         # a worker process must have started (imported pagedlab) by then
 JOIN_TIMEOUT_S = 20.0
 LEAVE_TIMEOUT_S = 20.0
+PARENT_CHECK_S = 0.5            # how often a worker looks whether rank 0 is still its parent
 FAULT_ENV = "PAGEDLAB_TEST_FAIL_RANK"   # "rank:step": that rank raises at that step (tests only)
 
 
@@ -54,6 +58,7 @@ class WorldSpec:
     tokenizer: object = None       # replicas > 0 need it (their own engine)
     errors: object = None          # mp SimpleQueue: (rank, traceback) of a failed worker
     ready: object = None           # mp SimpleQueue: each worker's rank once its process runs
+    parent_pid: int = 0            # rank 0's process: a worker whose parent is gone exits (watch_parent)
 
     @property
     def world(self) -> int:
@@ -109,17 +114,18 @@ class Workers:
         os.close(fd)
         os.unlink(spec.init_file)                       # the file store creates it
         spec.errors, spec.ready = ctx.SimpleQueue(), ctx.SimpleQueue()
+        spec.parent_pid = os.getpid()
         self.procs = [ctx.Process(target=worker_main, args=(g, spec), name=f"pagedlab-rank{g}", daemon=True)
                       for g in range(1, spec.world)]
-        for p in self.procs:
-            p.start()
+        with sigint_ignored():      # they begin with SIGINT ignored: a Ctrl-C while they import
+            for p in self.procs:    # (it reaches the whole process group) printed a KeyboardInterrupt
+                p.start()           # traceback from each; Ctrl-C is rank 0's to handle
         self.closed = False
 
     def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until every worker process runs (has imported pagedlab). A worker that dies first --
         most often a script without `if __name__ == "__main__":`, which spawn re-runs in the child --
         is reported at once instead of leaving rank 0 waiting for it to join."""
-        import time
         started, deadline = set(), time.monotonic() + timeout_s
         while len(started) < len(self.procs):
             while not self.spec.ready.empty():
@@ -136,7 +142,6 @@ class Workers:
 
     def failure(self, wait_s: float = 2.0) -> str | None:
         """The first failed worker's report (waits a little: it may still be writing it)."""
-        import time
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             if not self.spec.errors.empty():
@@ -185,7 +190,6 @@ def leave_world(clean: bool, device_type: str = "cpu", timeout_s: float = LEAVE_
     did not finish). gloo (CPU): destroy_process_group, with every rank (clean) or alone. NCCL: abort
     the communicators -- a local call; a flushing destroy waits on every rank's communicator and
     was seen to hang (H200 x2, torch 2.11, NCCL 2.28.3, 2026-12-01)."""
-    import threading
     if not dist.is_initialized():
         return True
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -212,9 +216,26 @@ def leave_world(clean: bool, device_type: str = "cpu", timeout_s: float = LEAVE_
     return True
 
 
+def watch_parent(parent_pid: int, every_s: float = PARENT_CHECK_S) -> None:
+    """A daemon thread that ends this worker as soon as rank 0, its parent, is gone (SIGKILLed,
+    crashed): the worker is then re-parented, and os.getppid() changes. Without it a worker whose
+    rank 0 died during setup waited out torch.distributed's SETUP timeout (10 minutes) in
+    init_world. (Not prctl(PR_SET_PDEATHSIG): that fires when the *thread* that started the worker
+    ends, and an LLM may be built on a thread that ends before it does.)"""
+    if not parent_pid:
+        return
+
+    def run():
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(1)
+    threading.Thread(target=run, name="pagedlab-parent-watch", daemon=True).start()
+
+
 def worker_main(rank: int, spec: WorldSpec) -> None:
     """Entry point of every rank but 0."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's business
+    signal.signal(signal.SIGINT, signal.SIG_IGN)        # Ctrl-C is rank 0's business (also ignored from the start)
+    watch_parent(spec.parent_pid)
     spec.ready.put(rank)
     if spec.device_type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world))

@@ -41,11 +41,10 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-import uvicorn
-
 from ..async_llm import AsyncLLM, core_specs
-from ..core_process import READY_TIMEOUT_S, CoreLink, freeze_heap, start_core
+from ..core_process import READY_TIMEOUT_S, CoreLink, freeze_heap, sigint_ignored, start_core
 from .app import build_app, uvicorn_config
+from .graceful import Server
 
 STOP_TIMEOUT_S = 15.0           # a front end's graceful stop (uvicorn's 5 s) and its engine links
 
@@ -74,8 +73,9 @@ def listening_sockets(host: str, port: int, n: int, backlog: int = 2048) -> list
 
 # -- the front end's process ---------------------------------------------------------------------
 
-class _FrontEndServer(uvicorn.Server):
-    """uvicorn's server without its own signal handlers: a front end's stop comes from its parent."""
+class FrontEndServer(Server):
+    """graceful.Server (as run.py's: open requests end with an answer when it stops) without
+    uvicorn's own signal handlers: a front end's stop comes from its parent."""
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -94,15 +94,18 @@ def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str,
             if lifeline in wait([link.outbox, lifeline]):
                 return                                  # stopped (or the parent is gone) while loading
             link.take_ready()
-    except RuntimeError as e:
-        lifeline.send(("failed", str(e)))
+    except RuntimeError as e:           # CoreStartError (the core's own exception in it) or a core gone
+        try:
+            lifeline.send(("failed", e))   # itself: the parent raises it (the CLI: one line)
+        except Exception:                  # noqa: BLE001 -- did not pickle: its words
+            lifeline.send(("failed", str(e)))
         return
     allm = AsyncLLM.connect(links, index, count)
     allm.on_core_death = lambda k, why: print(f"pagedlab: front end {index}: engine core {k} died ({why})",
                                               file=sys.stderr, flush=True)
     app = build_app(allm, model_name, max_waiting=max_waiting, admitted=admitted)
     config = uvicorn_config(app, log_level)                # as run.make_server
-    server = _FrontEndServer(config)
+    server = FrontEndServer(config, allm)
     freeze_heap()
 
     def stop():
@@ -172,7 +175,8 @@ class FrontEnds:
                 process = ctx.Process(target=frontend_main, name=f"pagedlab-api{f}", daemon=True,
                                       args=(f, api_servers, [ends[f] for ends in core_ends], socks[f], theirs,
                                             model_name, max_waiting, self.admitted, log_level))
-                process.start()
+                with sigint_ignored():          # (a Ctrl-C while it imports: the parent's alone)
+                    process.start()
                 theirs.close()
                 self.frontends.append((process, mine))
         except BaseException:
@@ -188,7 +192,9 @@ class FrontEnds:
         return f"http://{self.host}:{self.port}"
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> "FrontEnds":
-        """Until every front end accepts connections; RuntimeError (everything stopped) if one cannot."""
+        """Until every front end accepts connections; everything stopped if one cannot, and raised:
+        the CoreStartError of a core that did not start (its .error the core's own exception), else
+        RuntimeError."""
         waiting = {lifeline: (f, process) for f, (process, lifeline) in enumerate(self.frontends)}
         deadline = time.monotonic() + timeout
         try:
@@ -206,8 +212,8 @@ class FrontEnds:
                         kind, what = lifeline.recv() if lifeline.poll() else ("exited", process.exitcode)
                     except (EOFError, OSError):
                         kind, what = "exited", process.exitcode
-                    if kind == "failed":
-                        raise RuntimeError(what)
+                    if kind == "failed":     # a CoreStartError as the core raised it, or words
+                        raise what if isinstance(what, BaseException) else RuntimeError(what)
                     if kind != "ready":
                         raise RuntimeError(f"front end {f} exited (code {process.exitcode}) before it was ready")
                     waiting.pop(lifeline, None)
