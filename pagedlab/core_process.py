@@ -181,12 +181,18 @@ def _end_cores() -> None:
     said "stop" -- a Ctrl-C landed between its start and the code that would stop it -- waits on its
     open pipes for ever, and so did the exit)."""
     for process in list(_started):
-        if process.is_alive():
-            process.terminate()
-            process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
+        join_or_kill(process, 0)
+
+
+def join_or_kill(process, timeout: float) -> None:
+    """Wait up to `timeout` s for a child process to end, then terminate it, then kill it."""
+    process.join(timeout)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
 
 
 def start_core(llm_kwargs: dict, env: dict | None = None, name: str = "pagedlab-core", frontends: int = 1):

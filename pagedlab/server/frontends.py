@@ -42,7 +42,7 @@ import time
 from multiprocessing.connection import wait
 
 from ..async_llm import AsyncLLM, core_specs
-from ..core_process import READY_TIMEOUT_S, CoreLink, freeze_heap, sigint_ignored, start_core
+from ..core_process import READY_TIMEOUT_S, CoreLink, freeze_heap, join_or_kill, sigint_ignored, start_core
 from .app import build_app, uvicorn_config
 from .graceful import Server
 
@@ -267,10 +267,10 @@ class FrontEnds:
             except OSError:
                 pass
         for process, lifeline in self.frontends:
-            _join_or_kill(process, timeout)
+            join_or_kill(process, timeout)
             lifeline.close()
         for process in self.cores:
-            _join_or_kill(process, timeout)
+            join_or_kill(process, timeout)
 
     def __enter__(self):
         return self
@@ -278,12 +278,3 @@ class FrontEnds:
     def __exit__(self, *exc):
         self.stop()
 
-
-def _join_or_kill(process, timeout: float) -> None:
-    process.join(timeout)
-    if process.is_alive():
-        process.terminate()
-        process.join(5)
-    if process.is_alive():
-        process.kill()
-        process.join(5)
