@@ -20,7 +20,7 @@ from .validation import ValidationError, check_device_present, check_int
 # is a bug and keeps its traceback). MemoryError: a size no machine has, e.g. --slots 99999999999
 USER_ERRORS = (ValueError, OSError, NotImplementedError, MemoryError)
 # EngineConfig fields that only the model can check (config.check_max_model_len): a bad one is an
-# error line naming its flag ("error: --max-model-len: max_model_len must be at most 2048, ...")
+# error line naming its flag ("error: --max-model-len: max_model_len must be at most 256, ..." on random:tiny)
 MODEL_CHECKED = ("max_model_len",)
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 # the flag that sets each field (an error names the field as the user wrote it)
