@@ -212,12 +212,14 @@ def test_ctrl_c_while_the_core_starts_is_one_line(procs):
     assert not session_left(p.pid)
 
 
-def test_serve_errors_of_the_engine_core_are_one_line(procs):
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_serve_errors_of_the_engine_core_are_one_line(procs, api_servers):
     """What LLM() raises for a bad model or size is raised in the engine core's process; it came
     back as a RuntimeError holding the core's whole traceback (exit 1). Now the core's exception
     itself comes back (core_process.CoreStartError.error), and the CLI says it in one line, as
-    generate does."""
-    p = procs("serve", "--device", "cpu", "--port", str(free_port()), "--model", "/no/such/model")
+    generate does -- also through the front-end processes of --api-servers 2."""
+    p = procs("serve", "--device", "cpu", "--port", str(free_port()), "--api-servers", api_servers,
+              "--model", "/no/such/model")
     assert p.wait(60) == 2
     out = p.stdout.read()
     assert one_line_error(out).startswith("error: --model: Model '/no/such/model' not found"), out

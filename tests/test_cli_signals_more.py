@@ -88,15 +88,6 @@ def test_api_servers_with_a_bad_model_raise_the_cores_error_and_start_children_s
     assert not any(p.is_alive() for p, _ in fronts.frontends)
 
 
-def test_api_servers_with_a_bad_model_is_one_line(procs):
-    p = procs("serve", "--device", "cpu", "--port", str(free_port()), "--api-servers", "2", "--model", "/no/such/model")
-    assert p.wait(60) == 2
-    out = p.stdout.read()
-    assert one_line_error(out).startswith("error: --model: Model '/no/such/model' not found"), out
-    time.sleep(0.5)
-    assert not session_left(p.pid)
-
-
 def test_ctrl_c_ends_the_front_ends_open_streams_with_an_error_event(procs):
     """As test_cli_signals' one-front-end case: with --api-servers 2 the front ends ran uvicorn's
     plain server, which cut open streams mid-body once its 5 s grace ran out. Now run.Server's
