@@ -27,11 +27,30 @@ would draw them, so N cores give one engine's outputs.
 A core that dies is seen at once (its pipe reaches end-of-file): every open stream ends with
 finish_reason "error", is_alive() turns False (the server's /health says so) and `on_core_death`
 (the CLI server: exit) runs.
+
+A core that is alive but does not answer -- stopped (SIGSTOP), or stuck in one step (a hung GPU
+kernel) -- closes no pipe. Liveness: each core's link keeps `heard_t`, when a message last came
+from it, and a core whose loop turns sends one at least every 0.25 s whether it is idle or busy
+(core_mailbox.py), so the front end always expects to hear and needs no ping. Silent for more than
+`silent_s` (30 s; PAGEDLAB_CORE_SILENT_S): not_answering() names it, the server's /health answers
+503 with a one-line reason and /metrics' pagedlab_core_silent_seconds shows the silence; heard
+again, it is healthy again by itself. The threshold is far above any step that is merely long (a
+huge prefill is seconds, a first-time Triton compile seconds to a minute; the warm-up and CUDA
+graph capture run before the core says it is ready). Silent for more than `give_up_s` (300 s;
+PAGEDLAB_CORE_GIVE_UP_S, 0: never): the core is taken for hung -- its open streams end with
+finish_reason "error" (a client waits no longer than that, and may retry elsewhere), their requests
+are aborted in the core (their blocks freed if it ever answers again: an abort waits in its pipe),
+and new requests go to another core, or get 503 while none answers. Streams of other cores, and
+the core itself, are left alone: it is not killed (the CLI server does not exit), a supervisor
+reading /health decides; if it answers again it serves on. A stall of this front end's own (its
+loop blocked, or the whole server stopped with Ctrl-Z) is not counted against the cores (watch).
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import os
 import queue
 import threading
 import time
@@ -48,7 +67,34 @@ from .llm import check_text
 from .output_processor import OutputProcessor, RequestState
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
+CORE_SILENT_S = 30.0      # a core silent this long is reported (/health 503): PAGEDLAB_CORE_SILENT_S
+CORE_GIVE_UP_S = 300.0    # ... this long, its streams are ended: PAGEDLAB_CORE_GIVE_UP_S (0: never)
+FRONT_END_STALL_S = 5.0   # watch() woken this much late: this front end stalled, not the cores
 BUSY_TIMES = {"busy_start_t": min, "busy_end_t": max}     # core stats that are moments (time.monotonic)
+log = logging.getLogger("pagedlab.async_llm")
+
+
+def liveness_seconds(name: str, value, default: float, zero_ok: bool = False) -> float:
+    """A liveness threshold: `value` if given, else the environment variable `name`, else `default`;
+    a number > 0 (>= 0 where 0 means never, zero_ok), else ValueError naming it."""
+    what = name if value is None else name.removeprefix("PAGEDLAB_CORE_").lower()
+    raw = os.environ.get(name, "") if value is None else value
+    if raw in ("", None):
+        return float(default)
+    try:
+        x = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number of seconds, got {raw!r:.40}") from None
+    if not (x > 0 or (zero_ok and x == 0)) or x != x or x == float("inf"):
+        raise ValueError(f"{what} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {raw!r:.40}")
+    return x
+
+
+def liveness(silent_s, give_up_s) -> tuple[float, float]:
+    """The liveness thresholds, checked: the arguments given, else PAGEDLAB_CORE_SILENT_S and
+    PAGEDLAB_CORE_GIVE_UP_S, else 30 s and 300 s."""
+    return (liveness_seconds("PAGEDLAB_CORE_SILENT_S", silent_s, CORE_SILENT_S),
+            liveness_seconds("PAGEDLAB_CORE_GIVE_UP_S", give_up_s, CORE_GIVE_UP_S, zero_ok=True))
 
 
 class CoreThread:
@@ -63,6 +109,7 @@ class CoreThread:
         self.llm, self.core = llm, llm.core
         self.info: CoreInfo = core_info(llm, self.core)
         self.dead: str | None = None
+        self.heard_t = time.monotonic()      # the thread's loop last turned (AsyncLLM's liveness)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._out: collections.deque = collections.deque()
         self._wake = None                    # set by AsyncLLM: schedules its reader on its loop
@@ -99,6 +146,7 @@ class CoreThread:
         core = self.core
         try:
             while not self._stop.is_set():
+                self.heard_t = time.monotonic()     # (a clock read per turn: idle, every IDLE_WAIT_S)
                 self._take_commands(block=not core.has_work())
                 if core.has_work():
                     step = core.step()
@@ -151,6 +199,10 @@ def core_specs(model, data_parallel_size: int, llm_kwargs: dict) -> list[tuple[d
     return specs
 
 
+class CoreNotAnswering(RuntimeError):
+    """submit() while every running core has been silent past give_up_s (the server: 503)."""
+
+
 class Checked(NamedTuple):
     """A request as check_request returned it: safe to queue."""
     ids: list
@@ -168,20 +220,25 @@ class _Caller:
 
 
 class AsyncLLM:
-    def __init__(self, llm):
-        """Serve an LLM built in this process: its engine core runs on a thread of this process."""
+    def __init__(self, llm, *, silent_s: float | None = None, give_up_s: float | None = None):
+        """Serve an LLM built in this process: its engine core runs on a thread of this process.
+        silent_s, give_up_s: the liveness thresholds (the module's doc; None: the environment's, or
+        30 s and 300 s)."""
         if getattr(llm, "data_parallel_size", 1) > 1:
             raise ValueError("AsyncLLM(llm) drives one engine, and this LLM has data_parallel_size > 1: "
                              "use AsyncLLM.from_model(model, data_parallel_size=N) (or serve "
                              "--data-parallel-size N), which starts one engine core per replica")
+        silent_s, give_up_s = liveness(silent_s, give_up_s)       # (checked before a thread starts)
         self.llm, self.engine = llm, llm.engine
-        self._init([CoreThread(llm)])
+        self._init([CoreThread(llm)], silent_s=silent_s, give_up_s=give_up_s)
 
     @classmethod
-    def from_model(cls, model=None, *, data_parallel_size: int = 1, **llm_kwargs) -> "AsyncLLM":
+    def from_model(cls, model=None, *, data_parallel_size: int = 1, silent_s: float | None = None,
+                   give_up_s: float | None = None, **llm_kwargs) -> "AsyncLLM":
         """Start data_parallel_size engine cores, each in a process of its own building
         LLM(model, **llm_kwargs); returns once every one is ready. On GPUs, core k gets GPUs
-        k*T .. k*T+T-1 (T = tensor_parallel_size)."""
+        k*T .. k*T+T-1 (T = tensor_parallel_size). silent_s, give_up_s: as AsyncLLM()."""
+        silent_s, give_up_s = liveness(silent_s, give_up_s)
         cores = []
         try:
             for kwargs, env, name in core_specs(model, data_parallel_size, llm_kwargs):
@@ -194,22 +251,28 @@ class AsyncLLM:
             raise
         self = cls.__new__(cls)
         self.llm = self.engine = None
-        self._init(cores)
+        self._init(cores, silent_s=silent_s, give_up_s=give_up_s)
         return self
 
     @classmethod
-    def connect(cls, links, frontend: int = 0, frontends: int = 1) -> "AsyncLLM":
+    def connect(cls, links, frontend: int = 0, frontends: int = 1, *, silent_s: float | None = None,
+                give_up_s: float | None = None) -> "AsyncLLM":
         """Front end `frontend` of `frontends` in front of cores another process started
         (core_process.CoreLink's, each ready: its .info read). Its request ids are frontend,
         frontend + frontends, ...: unique across the front ends, and each core hands a request's
-        output to the front end its id names (core_mailbox.py)."""
+        output to the front end its id names (core_mailbox.py). silent_s, give_up_s: as AsyncLLM()."""
+        silent_s, give_up_s = liveness(silent_s, give_up_s)
         self = cls.__new__(cls)
         self.llm = self.engine = None
-        self._init(links, frontend, frontends)
+        self._init(links, frontend, frontends, silent_s, give_up_s)
         return self
 
-    def _init(self, cores, frontend: int = 0, frontends: int = 1) -> None:
+    def _init(self, cores, frontend: int = 0, frontends: int = 1, silent_s: float = CORE_SILENT_S,
+              give_up_s: float = CORE_GIVE_UP_S) -> None:
         self.cores = cores
+        # liveness (the module's doc): report a core silent past silent_s, end its streams past give_up_s
+        self.silent_s, self.give_up_s = silent_s, give_up_s
+        self._quiet: set[int] = set()       # the cores reported not answering (watch: logged once)
         self.frontend, self.frontends = frontend, frontends
         info = cores[0].info
         self.tokenizer, self.vocab_size, self.pool_hint = info.tokenizer, info.vocab_size, info.pool_hint
@@ -256,9 +319,81 @@ class AsyncLLM:
         return total
 
     def core_status(self) -> list[dict]:
-        """Each engine core: its process id, whether it runs, why it stopped."""
-        return [dict(pid=c.info.pid, alive=c.is_alive(), **({"error": c.dead} if c.dead else {}))
-                for c in self.cores]
+        """Each engine core: its process id, whether it runs, why it stopped, how long it has been
+        silent (seconds since its last message) and whether it answers (silent no longer than
+        silent_s)."""
+        silence = self.core_silence()
+        return [dict(pid=c.info.pid, alive=c.is_alive(), silent_s=round(s, 3), answering=s <= self.silent_s,
+                     **({"error": c.dead} if c.dead else {}))
+                for c, s in zip(self.cores, silence)]
+
+    # -- liveness (the module's doc) -------------------------------------------------------------
+    def core_silence(self) -> list[float]:
+        """Seconds since each core last answered (sent anything); a core that runs answers at least
+        every 0.25 s, idle or busy (core_mailbox.py). What /metrics shows (pagedlab_core_silent_seconds).
+        Read on the loop: what the cores sent and nobody read yet is read first."""
+        if not self._stopped and self._loop is not None and _on_loop(self._loop):
+            for k, core in enumerate(self.cores):
+                if core.dead is None:
+                    self._read(k)
+        now = time.monotonic()
+        return [max(0.0, now - c.heard_t) for c in self.cores]
+
+    def not_answering(self, longer_than: float | None = None) -> list[tuple[int, float]]:
+        """The cores alive but silent for more than `longer_than` seconds (default silent_s):
+        [(core index, seconds silent)]. A dead core is is_alive()'s to report, not this."""
+        limit = self.silent_s if longer_than is None else longer_than
+        return [(k, s) for k, s in enumerate(self.core_silence())
+                if s > limit and self.cores[k].dead is None and self.cores[k].is_alive()]
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, one line): every core runs and answers; else what is wrong, naming the core --
+        what the server's /health answers."""
+        if self._stopped:
+            return False, "engine stopped: shut down"
+        dead = [(k, c) for k, c in enumerate(self.cores) if not c.is_alive()]
+        if dead:
+            return False, "; ".join(f"engine core {k} (pid {c.info.pid}) stopped: {c.dead or 'ended'}"
+                                    for k, c in dead)
+        quiet = self.not_answering()
+        if quiet:
+            return False, "; ".join(self._silent_line(k, s) for k, s in quiet)
+        return True, "ok"
+
+    def _silent_line(self, k: int, seconds: float) -> str:
+        return (f"engine core {k} (pid {self.cores[k].info.pid}) has not answered for {seconds:.1f} s "
+                f"(more than {self.silent_s:g} s): stopped, or stuck in a step")
+
+    def _look_at_liveness(self) -> None:
+        """watch(), every second: log a core that stops answering and one that answers again, and
+        give up on one silent past give_up_s (its streams end, its requests are aborted)."""
+        quiet = dict(self.not_answering())
+        for k, s in quiet.items():
+            if k not in self._quiet:
+                log.warning("pagedlab: %s", self._silent_line(k, s))
+        for k in self._quiet - quiet.keys():
+            log.warning("pagedlab: engine core %d (pid %s) answers again", k, self.cores[k].info.pid)
+        self._quiet = set(quiet)
+        if self.give_up_s:
+            for k, s in self.not_answering(self.give_up_s):
+                self._give_up(k, s)
+
+    def _give_up(self, k: int, seconds: float) -> None:
+        """Core k has not answered for `seconds` (> give_up_s): end its open streams with an error
+        and abort their requests in it (the aborts wait in its pipe: if it answers again it frees
+        their blocks first thing). Nothing else changes: other cores' streams run on."""
+        rids = [rid for rid, c in self._callers.items() if c.core == k]
+        if not rids:
+            return
+        why = (f"the engine core {k} has not answered for {seconds:.0f} s (more than {self.give_up_s:g} s): "
+               "taken for hung")
+        log.warning("pagedlab: %s; ending its %d open request(s)", why, len(rids))
+        self._end_callers(lambda c: c.core == k, "error", why)
+        self.cores[k].send(("abort", rids))
+
+    def _given_up(self, k: int, now: float) -> bool:
+        """Is core k silent past give_up_s (new requests go elsewhere)?"""
+        return bool(self.give_up_s) and now - self.cores[k].heard_t > self.give_up_s
 
     def is_alive(self) -> bool:
         """Is every engine core running (not shut down, not dead)?"""
@@ -287,10 +422,16 @@ class AsyncLLM:
                                "the engine core stopped: " + (self._why_dead() or "?"))
         ids, text, params = prompt if isinstance(prompt, Checked) else self.check_request(prompt, params, chat)
         self._attach(asyncio.get_running_loop())
+        now = time.monotonic()
+        k = min(range(len(self.cores)), key=lambda i: (not self.cores[i].is_alive(), self._given_up(i, now),
+                                                        self._load[i]))
+        if self._given_up(k, now):  # every core running is taken for hung: refused, not queued (and
+            raise CoreNotAnswering(  # before a seed is drawn: the seeds of later requests do not shift)
+                f"the engine core {k} has not answered for {now - self.cores[k].heard_t:.0f} s "
+                f"(more than {self.give_up_s:g} s)")
         if self._seeds is not None and params.seed is None:
             params = replace(params, seed=int(torch.randint(0, 2**SEED_BITS, (1,), generator=self._seeds)))
         rid = next(self._ids)
-        k = min(range(len(self.cores)), key=lambda i: (not self.cores[i].is_alive(), self._load[i]))
         cost = len(ids) + params.max_new_tokens
         state = self.outputs.add(rid, ids, text, params, stream=stream)
         caller = self._callers[rid] = _Caller(state, k, cost)
@@ -309,15 +450,24 @@ class AsyncLLM:
 
     async def watch(self, every_s: float = 1.0) -> None:
         """Read the cores' messages on the running loop from now on, and look at the cores every
-        `every_s`: one that ended without a word (killed) is reported like one whose pipe closed.
-        The server runs this for its whole life."""
+        `every_s`: one that ended without a word (killed) is reported like one whose pipe closed;
+        one silent past silent_s is logged, past give_up_s given up on (the module's doc). The
+        server runs this for its whole life."""
         self._attach(asyncio.get_running_loop())
         while not self._stopped:
             for k, core in enumerate(self.cores):
                 if core.dead is None and not core.is_alive() and not self._stopped:
                     code = getattr(getattr(core, "process", None), "exitcode", None)
                     self._on_death(k, f"the engine core process ended (exit code {code})")
+            if not self._stopped:
+                self._look_at_liveness()
+            t = time.monotonic()
             await asyncio.sleep(every_s)
+            late = time.monotonic() - t - every_s
+            if late > FRONT_END_STALL_S:    # this front end did not run (its loop blocked, the whole
+                now = time.monotonic()      # server stopped): the cores' silence meanwhile is not theirs
+                for core in self.cores:
+                    core.heard_t = min(core.heard_t + late, now)
 
     def _attach(self, loop) -> None:
         """Read the cores' messages on this loop (the first caller's; a later asyncio.run's loop

@@ -13,6 +13,12 @@ What the core sends: after each step, ONE message to each front end that has req
 with nothing in the step gets the stats alone, at most every `stats_every_s` (so every front end's
 /metrics shows the same engine gauges, a fraction of a second old at most).
 
+Liveness: every front end hears from a core whose loop turns at least every `stats_every_s`
+(0.25 s) or every step, whichever is longer -- its share of a step or the stats (hand_out), the
+stats every slice an idle core waits (run_core), and after an idle core took messages that made no
+work (beat). So the front end needs no ping: a core silent for much longer is stopped (SIGSTOP) or stuck in one step (a hung
+kernel, or a legitimately long compile); AsyncLLM measures that silence (/health, /metrics).
+
 How a message leaves (Outbox): the core's own thread pickles it and writes it into the pipe at once,
 without blocking (the pipe is non-blocking on the core's side; the front end reads it with a plain
 Connection.recv). Only what the pipe cannot take now -- a front end that reads late -- is left to
@@ -132,6 +138,19 @@ class Mailbox:
         for f in self.live:
             self._queues[f].put(msg)
             self._last_sent[f] = now
+
+    def beat(self, stats) -> None:
+        """An idle core's heartbeat when messages, not its wait's timeout, woke it: the stats (`stats`:
+        a function, called only then) to each front end not written to for `stats_every_s`. Without
+        it a front end sending messages that make no work (aborts of requests that ended) faster than
+        that would keep an idle core silent. Costs a clock read and a comparison per front end."""
+        now = time.perf_counter()
+        due = [f for f in self.live if now - self._last_sent[f] >= self.stats_every_s]
+        if due:
+            msg = ("stats", stats())
+            for f in due:
+                self._queues[f].put(msg)
+                self._last_sent[f] = now
 
     def hand_out(self, step: StepOutput) -> None:
         """One step's output: each front end its own requests' share, one message each."""

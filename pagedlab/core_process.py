@@ -150,7 +150,13 @@ def run_core(core, mailbox) -> None:
     (written at once when the pipe has room, else by a writer thread): a front end that reads late
     never holds up a step (its messages queue here and it takes them all at once). Where the core's
     time goes (idle, inbox, steps, handing out) is counted in core.timing, sent with every step's
-    stats (/metrics)."""
+    stats (/metrics).
+
+    Liveness (what the front ends' /health reads): every front end hears from this loop at least
+    every IDLE_SLICE_S while it turns -- a step's output or its stats after each step (hand_out),
+    the stats every slice it waits idle, and after messages that made no work (Mailbox.beat) -- so
+    a long silence means a core stopped or stuck in one step, with no ping needed. What it adds to a
+    step: nothing (the stats go out with hand_out as before); to an idle wake: a clock read."""
     timing = core.timing
     clock = time.perf_counter
     while mailbox.open:
@@ -169,6 +175,8 @@ def run_core(core, mailbox) -> None:
             if not core.has_work():               # idle now: every front end's gauges say so at once
                 mailbox.tell_all(("stats", core.stats()))
             timing["handout_s"] += clock() - t2 - core.last_step_s
+        else:                                     # woken by messages that made no work: still heard
+            mailbox.beat(core.stats)              # every IDLE_SLICE_S (the front ends' liveness)
 
 
 _started: "weakref.WeakSet" = weakref.WeakSet()      # the core processes this process started
@@ -226,6 +234,7 @@ class CoreLink:
         self.outbox = outbox
         self.info: CoreInfo | None = None
         self.dead: str | None = None     # why the core is gone, once it is
+        self.heard_t = time.monotonic()  # when a message last came from it (AsyncLLM's liveness)
         # adds and aborts: written at once by the caller's thread (the event loop) when the pipe has
         # room, the rest by a writer thread (core_mailbox.Outbox), so the loop never waits on a pipe
         self._sendq = make_outbox(inbox, f"{name}-writer")
@@ -235,6 +244,7 @@ class CoreLink:
         """The core's first message (wait until there is one): its CoreInfo, or RuntimeError."""
         try:
             kind, what = self.outbox.recv()
+            self.heard_t = time.monotonic()
         except (EOFError, OSError):
             raise RuntimeError(
                 "the engine core process exited before it was ready. It is started with 'spawn', which "
@@ -256,12 +266,15 @@ class CoreLink:
         return self.outbox.fileno()
 
     def messages(self):
-        """Every message waiting from the core, without blocking. End-of-file: ("died", why)."""
+        """Every message waiting from the core, without blocking. End-of-file: ("died", why).
+        Each one sets heard_t (a clock read per message)."""
         while True:
             try:
                 if not self._ready():
                     return
-                yield self.outbox.recv()
+                msg = self.outbox.recv()
+                self.heard_t = time.monotonic()
+                yield msg
             except (EOFError, OSError):
                 yield ("died", self._gone())
                 return

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..async_llm import CoreNotAnswering
 from .admission import AdmissionGate
 from .metrics import ServerMetrics
 from .protocol import (OpenAIError, ParsedRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
@@ -40,6 +41,7 @@ from .responses import (SSE_DONE, Envelope, chat_logprobs, chat_response, chunk,
                         completion_response, sse, usage_chunk)
 
 DEFAULT_MAX_WAITING = 256             # requests queued beyond the slots before 503
+NOT_ANSWERING_RETRY_S = 30            # Retry-After of a 503 while every engine core is taken for hung
 
 
 # -- many streams as one ---------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     app = ServingApp(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
                      lifespan=lifespan)
     frontend = dict(index=getattr(async_llm, "frontend", 0), of=getattr(async_llm, "frontends", 1), pid=os.getpid())
-    metrics = ServerMetrics(async_llm.stats, frontend)
+    metrics = ServerMetrics(async_llm.stats, frontend, getattr(async_llm, "core_silence", None))
     gate = AdmissionGate(async_llm.max_num_seqs, max_waiting, admitted, frontend["index"])
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
     app.state.model_name = model_name
@@ -255,9 +257,16 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 
     @app.get("/health")
     async def health():
-        alive = async_llm.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine stopped", "engine_cores": async_llm.core_status(),
-                             "frontend": frontend}, status_code=200 if alive else 503)
+        """200 while every engine core runs and answers; 503 once one died (status "engine stopped")
+        or has been silent past its threshold (status "engine core not answering": stopped, or stuck
+        in a step; 200 again by itself once it answers). reason: one line naming the core; each
+        core's silent_s and answering are in engine_cores (AsyncLLM's liveness)."""
+        healthy, reason = async_llm.health() if hasattr(async_llm, "health") else (async_llm.is_alive(), "")
+        status = ("ok" if healthy else "engine stopped" if not async_llm.is_alive()
+                  else "engine core not answering")
+        return JSONResponse({"status": status, **({} if healthy else {"reason": reason}),
+                             "engine_cores": async_llm.core_status(), "frontend": frontend},
+                            status_code=200 if healthy else 503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -319,10 +328,13 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
             for c in checked:
                 for s in samples:
                     requests.append(async_llm.submit(c._replace(params=s), stream=req.stream))
-        except BaseException:
+        except BaseException as e:
             for r in requests:
                 r.abort()
             ticket.release()
+            if isinstance(e, CoreNotAnswering):   # every core taken for hung (AsyncLLM's give_up_s)
+                raise OpenAIError(str(e), status=503, type="server_error",
+                                  headers={"Retry-After": str(NOT_ANSWERING_RETRY_S)}) from None
             raise
 
         def close():                  # whatever happened: the ticket back, nothing left running

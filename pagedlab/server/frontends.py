@@ -83,10 +83,10 @@ class FrontEndServer(Server):
 
 
 def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str, max_waiting: int,
-                  admitted, log_level: str) -> None:
+                  admitted, log_level: str, liveness_s: tuple | None = None) -> None:
     """Front end `index` of `count`: wait for every core, then serve HTTP on `sock` until the parent
     says stop (or is gone). Tells the parent ("ready", pid) once it accepts, ("failed", why) if a
-    core did not start."""
+    core did not start. liveness_s: (silent_s, give_up_s) for its AsyncLLM (None: the environment's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)       # Ctrl-C reaches the whole group: the parent decides
     links = [CoreLink(inbox, outbox, name=f"pagedlab-core{k}") for k, (inbox, outbox) in enumerate(ends)]
     try:
@@ -100,7 +100,8 @@ def frontend_main(index: int, count: int, ends, sock, lifeline, model_name: str,
         except Exception:                  # noqa: BLE001 -- did not pickle: its words
             lifeline.send(("failed", str(e)))
         return
-    allm = AsyncLLM.connect(links, index, count)
+    silent_s, give_up_s = liveness_s or (None, None)
+    allm = AsyncLLM.connect(links, index, count, silent_s=silent_s, give_up_s=give_up_s)
     allm.on_core_death = lambda k, why: print(f"pagedlab: front end {index}: engine core {k} died ({why})",
                                               file=sys.stderr, flush=True)
     app = build_app(allm, model_name, max_waiting=max_waiting, admitted=admitted)
@@ -146,7 +147,7 @@ class FrontEnds:
     async_llm = None
 
     def __init__(self, model: str, model_name: str, host: str, port: int, max_waiting: int, log_level: str,
-                 api_servers: int, data_parallel_size: int = 1, **llm_kwargs):
+                 api_servers: int, data_parallel_size: int = 1, liveness_s: tuple | None = None, **llm_kwargs):
         socks = listening_sockets(host, port, api_servers)
         self.host, self.port = host, socks[0].getsockname()[1]
         self.cores: list = []                 # engine core processes
@@ -174,7 +175,7 @@ class FrontEnds:
                 mine, theirs = ctx.Pipe()
                 process = ctx.Process(target=frontend_main, name=f"pagedlab-api{f}", daemon=True,
                                       args=(f, api_servers, [ends[f] for ends in core_ends], socks[f], theirs,
-                                            model_name, max_waiting, self.admitted, log_level))
+                                            model_name, max_waiting, self.admitted, log_level, liveness_s))
                 with sigint_ignored():          # (a Ctrl-C while it imports: the parent's alone)
                     process.start()
                 theirs.close()

@@ -23,7 +23,7 @@ import bisect
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 # seconds; TTFT spans a fast GPU (ms) to a loaded CPU (many s), ITL a GPU step to a CPU step
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -75,12 +75,34 @@ class ManyHistogram:
         yield HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=total)
 
 
+class CoreSilence:
+    """pagedlab_core_silent_seconds{core="k"}: seconds since engine core k last answered, read at
+    scrape time (AsyncLLM.core_silence). A core that runs answers at least every 0.25 s, idle or
+    busy; more than a step's time means it is stopped or stuck (/health: 503 past AsyncLLM.silent_s)."""
+
+    name = "pagedlab_core_silent_seconds"
+
+    def __init__(self, read, registry):
+        self.read = read
+        registry.register(self)
+
+    def collect(self):
+        g = GaugeMetricFamily(self.name, "seconds since the engine core last answered (a running core answers "
+                              "every 0.25 s at least; /health turns 503 past the threshold)", labels=["core"])
+        for k, seconds in enumerate(self.read()):
+            g.add_metric([str(k)], seconds)
+        yield g
+
+
 class ServerMetrics:
-    def __init__(self, stats, frontend: dict | None = None):
+    def __init__(self, stats, frontend: dict | None = None, core_silence=None):
         """stats: a function giving the engine's gauges now (AsyncLLM.stats: summed over its cores).
         frontend: which front end answers (index, of, pid; serve --api-servers N): a scrape reaches
-        one of them, and says which."""
+        one of them, and says which. core_silence: a function giving each core's seconds since it
+        last answered (AsyncLLM.core_silence), shown as pagedlab_core_silent_seconds."""
         self.registry = reg = CollectorRegistry()
+        if core_silence is not None:
+            CoreSilence(core_silence, reg)
         if frontend is not None:
             Info("pagedlab_frontend", "the front end that answered this scrape (serve --api-servers N: "
                  "each counts its own requests; the engine gauges are the cores', the same on all)",

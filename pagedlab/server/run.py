@@ -12,7 +12,9 @@ processes of their own (a model name; data_parallel_size=N: N of them) or on a t
 Stopping is the reverse: uvicorn closes its connections (open streams are cancelled, so their
 requests are aborted), then the engine cores are stopped. A core that dies stops a foreground
 server (the CLI exits with status 1: a supervisor restarts it); a background one reports it at
-/health and ends every open stream with an error.
+/health and ends every open stream with an error. A core alive but silent (stopped, or stuck in a
+step) is reported at /health (503) after 30 s and its streams ended after 300 s, the server serving
+on (async_llm.py's doc: liveness; PAGEDLAB_CORE_SILENT_S, PAGEDLAB_CORE_GIVE_UP_S).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import time
 
 import uvicorn
 
-from ..async_llm import AsyncLLM
+from ..async_llm import AsyncLLM, liveness
 from ..core_process import freeze_heap
 from .app import DEFAULT_MAX_WAITING, build_app, uvicorn_config
 from .frontends import FrontEnds
@@ -57,17 +59,24 @@ class RunningServer:
         self.stop()
 
 
-def make_async_llm(llm, data_parallel_size: int = 1, **llm_kwargs) -> AsyncLLM:
+def make_async_llm(llm, data_parallel_size: int = 1, silent_s: float | None = None,
+                   give_up_s: float | None = None, **llm_kwargs) -> AsyncLLM:
     """An AsyncLLM for `llm`: an AsyncLLM as it is, an LLM of this process on a thread, a model name
-    or path as engine core processes (data_parallel_size of them, each LLM(llm, **llm_kwargs))."""
+    or path as engine core processes (data_parallel_size of them, each LLM(llm, **llm_kwargs)).
+    silent_s, give_up_s: its liveness thresholds (AsyncLLM; None: the environment's or the default)."""
     if isinstance(llm, AsyncLLM):
+        if silent_s is not None or give_up_s is not None:
+            given = liveness(silent_s, give_up_s)
+            llm.silent_s = given[0] if silent_s is not None else llm.silent_s
+            llm.give_up_s = given[1] if give_up_s is not None else llm.give_up_s
         return llm
     if isinstance(llm, (str, os.PathLike)):
-        return AsyncLLM.from_model(str(llm), data_parallel_size=data_parallel_size, **llm_kwargs)
+        return AsyncLLM.from_model(str(llm), data_parallel_size=data_parallel_size, silent_s=silent_s,
+                                   give_up_s=give_up_s, **llm_kwargs)
     if data_parallel_size != 1 or llm_kwargs:
         raise ValueError("data_parallel_size= and LLM arguments go with a model name: serve(\"smollm2\", "
                          "data_parallel_size=2, ...); an LLM object is served as it is")
-    return AsyncLLM(llm)
+    return AsyncLLM(llm, silent_s=silent_s, give_up_s=give_up_s)
 
 
 def default_name(llm) -> str:
@@ -90,6 +99,7 @@ def make_server(async_llm, model_name: str, host: str, port: int, max_waiting: i
 def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           max_waiting: int = DEFAULT_MAX_WAITING, background: bool = True,
           log_level: str = "warning", data_parallel_size: int = 1, on_ready=None, api_servers: int = 1,
+          silent_s: float | None = None, give_up_s: float | None = None,
           **llm_kwargs) -> RunningServer | FrontEnds | None:
     """Serve over OpenAI's API: `llm` is a model name or path (engine cores in processes of their
     own, built with **llm_kwargs; data_parallel_size=N: N cores behind one server), an LLM of this
@@ -97,12 +107,15 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
     accepts connections (port=0 picks a free port). background=False: run here until Ctrl-C or
     SIGTERM, then stop the engine; returns None, or raises SystemExit(1) if an engine core died.
     api_servers=N > 1 (a model name only): N front-end processes on the port, each in front of
-    every core (frontends.py); background=True returns their FrontEnds (.url, .stop())."""
+    every core (frontends.py); background=True returns their FrontEnds (.url, .stop()).
+    silent_s, give_up_s: when a core that does not answer is reported at /health (503), and when its
+    streams are ended (None: PAGEDLAB_CORE_SILENT_S / PAGEDLAB_CORE_GIVE_UP_S, else 30 s and 300 s;
+    async_llm.py's doc: liveness)."""
     name = model_name or default_name(llm)
     if api_servers != 1:
         return serve_frontends(llm, name, host, port, max_waiting, background, log_level, data_parallel_size,
-                               on_ready, api_servers, **llm_kwargs)
-    async_llm = make_async_llm(llm, data_parallel_size, **llm_kwargs)
+                               on_ready, api_servers, silent_s=silent_s, give_up_s=give_up_s, **llm_kwargs)
+    async_llm = make_async_llm(llm, data_parallel_size, silent_s=silent_s, give_up_s=give_up_s, **llm_kwargs)
     died = []
     try:            # from here on, whatever stops us (Ctrl-C included) stops the engine cores too
         server, app = make_server(async_llm, name, host, port, max_waiting, log_level)
@@ -144,10 +157,12 @@ def serve(llm, model_name: str | None = None, host: str = "127.0.0.1", port: int
 
 
 def serve_frontends(llm, name: str, host: str, port: int, max_waiting: int, background: bool, log_level: str,
-                    data_parallel_size: int, on_ready, api_servers: int, **llm_kwargs) -> FrontEnds | None:
+                    data_parallel_size: int, on_ready, api_servers: int, silent_s: float | None = None,
+                    give_up_s: float | None = None, **llm_kwargs) -> FrontEnds | None:
     """serve(..., api_servers=N > 1): the front ends in processes of their own, this process their parent."""
     if not isinstance(api_servers, int) or api_servers < 1:
         raise ValueError(f"api_servers must be an integer >= 1, got {api_servers!r}")
+    thresholds = liveness(silent_s, give_up_s)     # (a bad one is said here, not in each front end)
     if not isinstance(llm, (str, os.PathLike)):
         raise ValueError("api_servers > 1 serves a model name or path: each front end is a process of its "
                          "own, in front of engine core processes (an LLM or AsyncLLM of this process "
@@ -155,7 +170,7 @@ def serve_frontends(llm, name: str, host: str, port: int, max_waiting: int, back
     previous = None if background else signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         fronts = FrontEnds(str(llm), name, host, port, max_waiting, log_level, api_servers,
-                           data_parallel_size, **llm_kwargs).wait_ready()
+                           data_parallel_size, liveness_s=thresholds, **llm_kwargs).wait_ready()
         if on_ready is not None:
             on_ready(fronts)
         if background:
