@@ -23,7 +23,8 @@ import pytest
 
 from pagedlab import SamplingParams
 from pagedlab.server import serve
-from test_engine_core import MODEL, alive, free_port, ids_of, llm_kwargs, reference, start_cli_server  # noqa: F401
+from test_engine_core import (MODEL, alive, free_port, ids_of, llm_kwargs, reference, start_cli_server,  # noqa: F401
+                              wait_blocks_free)
 
 SILENT_S = 2.0              # the threshold under test (the default is 30 s)
 GRACE_S = 4.0               # + the watcher's second, a loaded 2-core machine
@@ -58,18 +59,6 @@ def wait_status(url: str, code: int, deadline_s: float) -> tuple[httpx.Response,
             return r, time.monotonic() - t0
         assert time.monotonic() - t0 < deadline_s, f"/health not {code} after {deadline_s} s: {r.text}"
         time.sleep(0.1)
-
-
-def wait_blocks_free(url: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        m = httpx.get(url + "/metrics", timeout=10).text
-        used = float(re.search(r"^pagedlab_kv_blocks_used (\S+)", m, re.M).group(1))
-        running = float(re.search(r"^pagedlab_requests_running (\S+)", m, re.M).group(1))
-        if used == 0 and running == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"blocks still in use after {deadline_s} s")
 
 
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
