@@ -1,23 +1,49 @@
 """pagedlab: a small, real LLM inference engine for Llama models -- paged KV cache, continuous
-batching and Triton kernels -- built to be read and rebuilt step by step in the notebooks."""
-from .config import LLAMA_3_2_1B, EngineConfig, ModelConfig, tiny_config
-from .engine import Engine
-from .llm import LLM, RequestOutput
-from .sampling import SamplingParams
+batching and Triton kernels -- built to be read and rebuilt step by step in the notebooks.
+
+The public names (`from pagedlab import LLM, SamplingParams, ...`) are imported on first use
+(PEP 562): `import pagedlab` alone is quick and imports no torch, so `python -m pagedlab` can take
+charge of Ctrl-C before the seconds of importing torch (a Ctrl-C then is one line, not a
+traceback: __main__.py). So are the package's modules: `pagedlab.weights` after `import pagedlab`.
+
+One thing is read at import all the same, outside `python -m pagedlab`: torch's own CPU thread
+count (cpu_threads.py), so that a `torch.set_num_threads(n)` made after `import pagedlab` and
+before the LLM is built stays the user's choice."""
+import sys as _sys
+
+if _sys.argv[:1] != ["-m"]:    # (while `python -m pagedlab ...` imports this package, argv[0] is "-m")
+    from . import cpu_threads as _cpu_threads  # noqa: F401 -- torch's default thread count, read now
 from .version import __version__  # noqa: F401
-from .weights import load_checkpoint
 
 __all__ = ["LLM", "AsyncLLM", "Engine", "EngineConfig", "ModelConfig", "SamplingParams", "RequestOutput",
            "LLAMA_3_2_1B", "tiny_config", "load_checkpoint"]
 
+# each public name -> the module that defines it
+_HOMES = {"LLM": "llm", "RequestOutput": "llm", "AsyncLLM": "async_llm", "Engine": "engine",
+          "EngineConfig": "config", "ModelConfig": "config", "LLAMA_3_2_1B": "config", "tiny_config": "config",
+          "SamplingParams": "sampling", "load_checkpoint": "weights"}
+
 
 def __getattr__(name):
-    """Imported on first use: AsyncLLM (asyncio and the engine-core machinery) and the server
-    (`pagedlab.server.serve(...)` after `import pagedlab`; it needs the `serve` extra)."""
-    if name == "AsyncLLM":
-        from .async_llm import AsyncLLM
-        return AsyncLLM
-    if name == "server":
-        import importlib
-        return importlib.import_module(".server", __name__)
+    """A public name, imported from its module on first use (then kept here); or one of the
+    package's modules (`pagedlab.server.serve(...)` after `import pagedlab`: the server needs the
+    `serve` extra)."""
+    import importlib
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(f".{home}", __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        import importlib.util
+        try:
+            found = importlib.util.find_spec(f"{__name__}.{name}") is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'pagedlab' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -5,16 +5,27 @@ one is one line on stderr that names its flag, and exit status 2.
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import sys
 
-from .bench import BENCHMARKS, HTTP_BENCHMARKS
+# Ctrl-C while `python -m pagedlab` starts: nothing here imports torch (nor does `import pagedlab`,
+# whose names are imported on first use), so the second or more of importing it runs inside main(),
+# where a Ctrl-C is "interrupted" and 130; and a Ctrl-C during this file's own few imports is said
+# the same way. (Left: Python's own start-up before this file runs, some tens of milliseconds.)
+try:
+    import argparse
+    import importlib.util
+    import os
 
-from .config import EngineConfig
-from .conversation import DEMO_PROMPTS
-from .sampling import DEFAULT_MAX_TOKENS
-from .validation import ValidationError, check_device_present, check_int
+    from .bench import BENCHMARKS, HTTP_BENCHMARKS
+    from .config import EngineConfig
+    from .conversation import DEMO_PROMPTS
+    from .validation import ValidationError, check_device_present, check_int
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("interrupted", file=sys.stderr)
+    exec("")                   # (see main)
+    raise SystemExit(130) from None
 
 # what a bad argument raises once the model loads (its message is the error line; anything else
 # is a bug and keeps its traceback). MemoryError: a size no machine has, e.g. --slots 99999999999
@@ -22,6 +33,7 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError, MemoryError)
 # EngineConfig fields that only the model can check (config.check_max_model_len): a bad one is an
 # error line naming its flag ("error: --max-model-len: max_model_len must be at most 256, ..." on random:tiny)
 MODEL_CHECKED = ("max_model_len",)
+DEFAULT_MAX_WAITING = 256                # serve --max-waiting (server/app.py's default too)
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 # the flag that sets each field (an error names the field as the user wrote it)
 FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "--slots (--max-num-seqs)",
@@ -186,11 +198,21 @@ def check_serve_args(args) -> None:
     if not args.model.strip():
         fail("--model must name a model, got an empty string")
     try:
-        check_int("max_waiting", args.max_waiting, 0, note=" (requests queued beyond the slots before 503)")
         check_int("port", args.port, 0, 65535, note=" (0: any free port)")
-        check_int("api_servers", args.api_servers, 1, note=" (front-end processes on the port)")
+        check_int("data_parallel_size", args.data_parallel_size, 1)
+        most, why = api_servers_limit(args.data_parallel_size)
+        check_int("api_servers", args.api_servers, 1, most, note=f" (front-end processes on the port: {why})")
+        most, why = max_waiting_limit(args.api_servers)
+        check_int("max_waiting", args.max_waiting, 0, most,
+                  note=f" (requests queued beyond the slots before 503: {why})")
     except ValidationError as e:
         fail(e.rule(flag_of(e.field)))
+    from .async_llm import liveness
+    try:
+        liveness(args.core_silent_s, args.core_give_up_s)
+    except ValueError as e:             # "silent_s must be ..." (a flag's) or "PAGEDLAB_CORE_SILENT_S must be ..."
+        why = str(e)
+        fail(why if why.startswith("PAGEDLAB_") else "--core-" + why.replace("_", "-", 2))
     if not args.host.strip():
         fail("--host must be an address such as 127.0.0.1 or 0.0.0.0, got an empty string")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -208,6 +230,52 @@ def check_serve_args(args) -> None:
              f"({getattr(e, 'strerror', None) or e})")
 
 
+# descriptors a server process holds besides one per front end / connection: its libraries, the
+# engine cores' pipes, the listening socket, files (measured on random:tiny: 19-28 in the server,
+# 23 in each front end of --api-servers 2)
+FD_RESERVE = 64
+NO_FD_LIMIT_MAX_WAITING = 2**20        # --max-waiting's bound where the open-files limit is unknown
+
+
+def open_files_limit() -> int | None:
+    """The open-files limit of this process (ulimit -n; what its children inherit), None if none."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else soft
+
+
+def api_servers_limit(data_parallel_size: int) -> tuple[int, str]:
+    """The most front ends --api-servers may start, and why: one per CPU this process may run on
+    (more only take turns on them, each a process with its own copy of the libraries; 2 allowed
+    on any machine), and no more than the open-files limit leaves room for -- while this process
+    starts them it holds, for each, a listening socket, a pipe to every engine core and its own
+    lifeline (99999999999 ran out of them: "Too many open files")."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    most, why = max(2, cpus), f"at most one per CPU, {cpus} here" if cpus >= 2 else "at most 2 on one CPU"
+    fds = open_files_limit()
+    if fds is not None:
+        room = max(1, (fds - FD_RESERVE) // (6 + 4 * data_parallel_size))
+        if room < most:
+            most, why = room, f"as many as the open-files limit leaves room for, ulimit -n {fds}"
+    return most, why
+
+
+def max_waiting_limit(api_servers: int) -> tuple[int, str]:
+    """The most requests --max-waiting may let wait, and why. Every waiting request holds an open
+    connection in a front-end process, and a process holds at most `ulimit -n` files: a bound past
+    that is never reached -- the server fails to accept ("Too many open files") before it would
+    answer 503. So: what the open-files limit leaves room for, in each front end."""
+    fds = open_files_limit()
+    if fds is None:
+        return NO_FD_LIMIT_MAX_WAITING, "no open-files limit here"
+    per = "" if api_servers == 1 else f" in each of {api_servers} front ends"
+    return max(DEFAULT_MAX_WAITING, api_servers * (fds - FD_RESERVE)), \
+        f"each holds an open connection, and ulimit -n is {fds}{per}"
+
+
 def serve(args) -> None:
     """The engine core(s) in processes of their own (data parallelism: one per replica), the HTTP
     front end here."""
@@ -221,7 +289,8 @@ def serve(args) -> None:
             fail("--engine-thread runs the engine in the server's one process: leave out --api-servers")
         llm = _llm(args)
         run_server(llm, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
-                   background=False, log_level=args.log_level)
+                   background=False, log_level=args.log_level, silent_s=args.core_silent_s,
+                   give_up_s=args.core_give_up_s)
         return
     n = args.api_servers
     print(f"loading {args.model} in {dp} engine core process{'es' if dp > 1 else ''} ...",
@@ -229,6 +298,7 @@ def serve(args) -> None:
     fronts = f", {n} front-end processes" if n > 1 else ""
     run_server(args.model, model_name=name, host=args.host, port=args.port, max_waiting=args.max_waiting,
                background=False, log_level=args.log_level, data_parallel_size=dp, api_servers=n,
+               silent_s=args.core_silent_s, give_up_s=args.core_give_up_s,
                on_ready=lambda allm: print(
                    f"serving {name} ({dp} x {args.slots} slots, at most {args.max_waiting} waiting{fronts}) on "
                    f"http://{args.host}:{args.port}  (Ctrl-C stops)", file=sys.stderr, flush=True),
@@ -244,6 +314,7 @@ def prefix_caching_flag(parser) -> None:
 
 
 def build_parser() -> ArgumentParser:
+    from .sampling import DEFAULT_MAX_TOKENS         # (imports torch: called inside main())
     p = ArgumentParser(prog="python -m pagedlab", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,generate,serve,bench}")
@@ -306,8 +377,10 @@ def build_parser() -> ArgumentParser:
     s.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="share of free GPU memory for the KV pool, in (0, 1] (default: "
                         f"{EngineConfig.memory_fraction})")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0)")
+    s.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
+                   help="requests queued beyond the slots; one more gets 503 + Retry-After (>= 0; at "
+                        "most what the open-files limit leaves room for: each waiting request holds a "
+                        "connection, and a front end can hold ulimit -n files)")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
     s.add_argument("--admit-group", type=int, default=EngineConfig.admit_group, metavar="N",
                    help="while requests run, admit waiting prompts once min(N, waiting) slots are free, "
@@ -327,10 +400,18 @@ def build_parser() -> ArgumentParser:
                         "least-loaded routing (>= 1)")
     s.add_argument("--api-servers", "--api-server-count", dest="api_servers", type=int, default=1, metavar="N",
                    help="N HTTP front-end processes on the port (SO_REUSEPORT), each in front of every "
-                        "engine core: HTTP, tokenizing and streaming on N CPUs (>= 1; Linux)")
+                        "engine core: HTTP, tokenizing and streaming on N CPUs (Linux; 1 to the CPUs "
+                        "this process may use, or 2: more only take turns on them; and no more than "
+                        "ulimit -n leaves room for: each needs a socket and pipes while they start)")
     s.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of an engine core "
                         "process (slower under load: they share one GIL; for comparison)")
+    s.add_argument("--core-silent-s", type=float, default=None, metavar="S",
+                   help="/health answers 503 once an engine core has not answered for S seconds: stopped, "
+                        "or stuck in a step (default 30; env PAGEDLAB_CORE_SILENT_S)")
+    s.add_argument("--core-give-up-s", type=float, default=None, metavar="S",
+                   help="after S seconds of silence, end that core's open streams with an error and refuse "
+                        "new requests until it answers (default 300; 0: never; env PAGEDLAB_CORE_GIVE_UP_S)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     b = sub.add_parser("bench", help="benchmarks: " + " | ".join(BENCHMARKS + HTTP_BENCHMARKS),
@@ -349,10 +430,22 @@ def main(argv=None) -> int:
         return run(argv)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        # CPython marks a KeyboardInterrupt raised inside exec() as unhandled even when it is
+        # caught (dataclasses build their methods with exec: a Ctrl-C while torch imports often
+        # lands there), and then ends the process with SIGINT at exit -- status -2, not 130. Each
+        # exec() clears that mark when it starts, so an empty one forgets it.
+        exec("")
         return 130
 
 
 def run(argv=None) -> int:
+    from .interrupts import deferred
+    # torch's import (a second or two) as one piece: a Ctrl-C in it is raised when it is over (a
+    # second Ctrl-C at once). Raised inside, it did not always reach main(): torch's C extension
+    # swallows an error importing numpy (the Ctrl-C was lost: the command ran on), and one raised
+    # under a C++ initializer can abort the process (SIGABRT).
+    with deferred():
+        import torch  # noqa: F401
     args = build_parser().parse_args(argv)
     if args.cmd == "bench":
         import importlib
@@ -372,16 +465,27 @@ def run(argv=None) -> int:
                 raise e.error from None
             raise
     except (ModelNotFound, GatedModelError) as e:
-        fail(f"--model: {e}")
+        fail(flagged(e, "--model"))      # (the draft model's: --speculative-config)
     except ValidationError as e:         # a flag checked against the model once it is read
         if e.owner is None and e.field in MODEL_CHECKED:
             fail(f"{flag_of(e.field)}: {e.rule()}")
-        fail(e)
+        fail(flagged(e))
     except USER_ERRORS as e:             # OSError: a download, a file
         fail(f"out of memory building the engine (MemoryError{': ' + str(e) if str(e) else ''}): a flag "
              "asks for more than this machine has; see --slots and --max-model-len"
-             if isinstance(e, MemoryError) else e)
+             if isinstance(e, MemoryError) else flagged(e))
     return 0
+
+
+def flagged(e: Exception, flag: str | None = None) -> str:
+    """The error line of an error raised once the model loads. One about a field inside a flag's
+    value (`e.owner` an EngineConfig field, its message "owner: ..."; e.g. the draft model of
+    --speculative-config, spec/draft.py) names that flag; any other is `flag: message`."""
+    from dataclasses import fields
+    owner, text = getattr(e, "owner", None), str(e)
+    if owner in {f.name for f in fields(EngineConfig)} and text.startswith(f"{owner}: "):
+        return f"{flag_of(owner)}: {text[len(owner) + 2:]}"
+    return f"{flag}: {text}" if flag else text
 
 
 if __name__ == "__main__":

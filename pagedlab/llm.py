@@ -28,6 +28,7 @@ from .config import (EngineConfig, check_max_model_len, resolve_backend,  # noqa
 from .conversation import check_conversation, is_conversation
 from .cpu_threads import apply_cpu_thread_policy
 from .engine_args import engine_config_kwargs
+from .interrupts import deferred
 from .parallel.shard import check_split
 from .engine_core import run_requests
 from .output_processor import RequestOutput
@@ -376,7 +377,7 @@ class LLM:
         """Data parallelism: the router. Seeds are drawn here as one engine would draw them, each
         request goes to the least-loaded replica, replica 0 (this process) runs its share while the
         others run theirs, and the outputs come back in order (parallel/data_parallel.py)."""
-        from .parallel.data_parallel import RemoteError, assign, recv, request_cost, send
+        from .parallel.data_parallel import RemoteError, assign, collect, request_cost, send
         from .parallel.group import WorkerFailed
         eng, tp, dp = self.engine, self.tensor_parallel_size, self.data_parallel_size
         items = [(ids, text, p if p.seed is not None else replace(p, seed=eng.draw_seed()))
@@ -384,24 +385,30 @@ class LLM:
         where = assign([request_cost(ids, p) for ids, _, p in items], dp)
         shares = [[i for i, r in enumerate(where) if r == k] for k in range(dp)]
         results = {}
+        stop = self._workers.spec.stop
+        stop.value = 0
         try:
-            for k in range(1, dp):
-                send([items[i] for i in shares[k]], k * tp, self._router)
+            with deferred():     # every replica gets its work list, or none does: a Ctrl-C waits
+                for k in range(1, dp):
+                    send([items[i] for i in shares[k]], k * tp, self._router)
         except Exception as e:
             why = self._workers.failure(wait_s=2.0)
             self.close()
             raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; create a new LLM") from e
         try:
             results[0] = self._run([items[i] for i in shares[0]], use_tqdm, on_finish)
-        finally:                 # even when interrupted: collect the others' answers to this call
-            for k in range(1, dp):
-                try:
-                    results[k] = recv(k * tp, self._router)
-                except Exception as e:
-                    why = self._workers.failure(wait_s=2.0)
-                    self.close()
-                    raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; "
-                                       "create a new LLM") from e
+        except BaseException:    # interrupted (or failed): the others end their shares at their next step
+            stop.value = 1
+            raise
+        finally:                 # even so: collect the others' answers to this call (in step for the next)
+            try:
+                answers = collect([k * tp for k in range(1, dp)], self._router, stop)
+            except Exception as e:
+                why = self._workers.failure(wait_s=2.0)
+                self.close()
+                raise WorkerFailed(f"{why or e} -- the parallel workers were shut down; "
+                                   "create a new LLM") from e
+            results.update((k, answers[k * tp]) for k in range(1, dp))
         for k in range(1, dp):
             if isinstance(results[k], RemoteError):
                 raise RuntimeError(f"replica {k} (rank {results[k].rank}) failed:\n{results[k].text}")

@@ -15,6 +15,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -282,12 +284,18 @@ def test_a_bad_threshold_is_named(value, monkeypatch):
         liveness(-2, None)
 
 
-def test_the_cli_server_with_two_front_ends_reports_a_stopped_core(monkeypatch):
-    """`python -m pagedlab serve --api-servers 2` with PAGEDLAB_CORE_SILENT_S=2: the core stopped
-    while idle turns both front ends' /health to 503 naming it; SIGCONT: both ok again."""
-    monkeypatch.setenv("PAGEDLAB_CORE_SILENT_S", str(SILENT_S))
+@pytest.mark.parametrize("given", ["env", "flag"])
+def test_the_cli_server_with_two_front_ends_reports_a_stopped_core(given, monkeypatch):
+    """`python -m pagedlab serve --api-servers 2` with PAGEDLAB_CORE_SILENT_S=2 or --core-silent-s 2:
+    the core stopped while idle turns both front ends' /health to 503 naming it; SIGCONT: both ok again."""
+    flags = ()
+    if given == "env":
+        monkeypatch.setenv("PAGEDLAB_CORE_SILENT_S", str(SILENT_S))
+    else:
+        monkeypatch.delenv("PAGEDLAB_CORE_SILENT_S", raising=False)
+        flags = ("--core-silent-s", str(SILENT_S))
     port = free_port()
-    proc, cores = start_cli_server(port, "--api-servers", "2")
+    proc, cores = start_cli_server(port, "--api-servers", "2", *flags)
     url = f"http://127.0.0.1:{port}"
 
     def every_front_end(code: int, deadline_s: float) -> dict[int, dict]:
@@ -319,3 +327,11 @@ def test_the_cli_server_with_two_front_ends_reports_a_stopped_core(monkeypatch):
             proc.wait(30)
         except Exception:      # noqa: BLE001
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flag,value,said", [("--core-silent-s", "-1", "--core-silent-s must be a number of seconds > 0"),
+                                             ("--core-give-up-s", "nan", "--core-give-up-s must be a number of seconds >= 0")])
+def test_a_bad_threshold_flag_is_one_line_naming_it(flag, value, said):
+    r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--model", MODEL, "--device", "cpu", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

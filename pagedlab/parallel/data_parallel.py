@@ -15,6 +15,7 @@ Work and outputs are Python objects sent over torch.distributed (gloo: send/recv
 """
 from __future__ import annotations
 
+import threading
 import traceback
 
 import torch.distributed as dist
@@ -43,6 +44,29 @@ class RemoteError:
         self.rank, self.text = rank, text
 
 
+class Stopped(Exception):
+    """A replica's work list ended early: rank 0 was interrupted (WorldSpec.stop)."""
+
+
+STOPPED = "stopped"             # a replica's answer to a work list it ended early
+
+
+class Stoppable:
+    """An EngineCore whose step() raises Stopped once `stop` is set: run_requests then aborts the
+    work list's unfinished requests (as for a Ctrl-C), and the replica answers STOPPED."""
+
+    def __init__(self, core, stop):
+        self._core, self._stop = core, stop
+
+    def step(self):
+        if self._stop is not None and self._stop.value:
+            raise Stopped
+        return self._core.step()
+
+    def __getattr__(self, name):
+        return getattr(self._core, name)
+
+
 def send(obj, dst: int, group) -> None:
     dist.send_object_list([obj], dst=dst, group=group)
 
@@ -51,6 +75,37 @@ def recv(src: int, group):
     box = [None]
     dist.recv_object_list(box, src=src, group=group)
     return box[0]
+
+
+def collect(sources: list[int], group, stop) -> dict:
+    """{rank: its answer} from every replica leader in `sources` (the work lists just sent). The
+    answers are received on a helper thread, so that a Ctrl-C while this one waits is not held up
+    by the receive (a C call): it sets `stop`, the replicas end their work lists at their next step
+    and answer, and once every answer is in (the router stays in step with them) the
+    KeyboardInterrupt is raised. Without it, rank 0 interrupted during generate() waited until each
+    replica had finished its whole share."""
+    answers, failed = {}, []
+
+    def receive():
+        try:
+            for src in sources:
+                answers[src] = recv(src, group)
+        except BaseException as e:       # noqa: BLE001 -- raised on the caller's thread
+            failed.append(e)
+    t = threading.Thread(target=receive, name="pagedlab-dp-collect", daemon=True)
+    t.start()
+    interrupted = False
+    while t.is_alive():
+        try:
+            t.join(0.5)
+        except KeyboardInterrupt:
+            interrupted = True
+            stop.value = 1
+    if failed:
+        raise failed[0]
+    if interrupted:
+        raise KeyboardInterrupt
+    return answers
 
 
 def serve_replica(rank: int, spec, tensors: dict, group, router, fail_at=None) -> None:
@@ -69,7 +124,9 @@ def serve_replica(rank: int, spec, tensors: dict, group, router, fail_at=None) -
         if calls == fail_at:
             raise RuntimeError(f"injected failure on rank {rank} at call {calls}")
         try:
-            out = run_requests(core, outputs, work)
+            out = run_requests(Stoppable(core, spec.stop), outputs, work)
+        except Stopped:
+            out = STOPPED
         except Exception:
             out = RemoteError(rank, traceback.format_exc())
         send(out, 0, router)

@@ -59,6 +59,7 @@ class WorldSpec:
     errors: object = None          # mp SimpleQueue: (rank, traceback) of a failed worker
     ready: object = None           # mp SimpleQueue: each worker's rank once its process runs
     parent_pid: int = 0            # rank 0's process: a worker whose parent is gone exits (watch_parent)
+    stop: object = None            # mp RawValue, 1: rank 0 was interrupted, replicas end their work lists
 
     @property
     def world(self) -> int:
@@ -114,6 +115,7 @@ class Workers:
         os.close(fd)
         os.unlink(spec.init_file)                       # the file store creates it
         spec.errors, spec.ready = ctx.SimpleQueue(), ctx.SimpleQueue()
+        spec.stop = ctx.RawValue("b", 0)
         spec.parent_pid = os.getpid()
         self.procs = [ctx.Process(target=worker_main, args=(g, spec), name=f"pagedlab-rank{g}", daemon=True)
                       for g in range(1, spec.world)]

@@ -51,6 +51,10 @@ def start_world(owner, tp: int, dp: int, device, dtype, ckpt, engine_config, bac
             if why and not getattr(e, "fatal", False):
                 raise WorkerFailed(why) from e
             raise
+        except BaseException:       # Ctrl-C while the world forms: the workers are mid-setup (importing,
+            close.detach()          # joining, receiving weights) and would not hear a goodbye -- the
+            workers.shutdown()      # exit waited JOIN_TIMEOUT_S for them (`generate --data-parallel-size
+            raise                   # 2`: 20 s after Ctrl-C). They are ended at once instead.
 
 
 def shutdown_workers(workers, tp: int, dp: int, groups: list) -> None:

@@ -68,12 +68,20 @@ class AdmissionGate:
         """Streams admitted beyond the slots: they wait in the engine's queue."""
         return max(0, self.total() - self.slots)
 
-    def admit(self, n: int = 1) -> Ticket:
-        """A ticket for n streams, or OpenAIError 503 when the queue would hold more than max_waiting."""
+    def admit(self, n: int = 1, prompts: int = 1) -> Ticket:
+        """A ticket for n streams (prompts x samples each), or OpenAIError 503 when the queue would
+        hold more than max_waiting; a request that could never fit is a 400 naming what the request
+        gave: its prompts (param "prompt") and/or its samples per prompt (param "n")."""
         if n > self.capacity:
-            raise OpenAIError(f"this request needs {n} streams (prompts x n) but the server runs at most "
-                              f"{self.capacity} at once ({self.slots} slots + {self.max_waiting} waiting)",
-                              param="n")
+            samples = n // max(1, prompts)
+            most = f"the server runs at most {self.capacity} at once ({self.slots} slots + {self.max_waiting} waiting)"
+            if samples == 1:          # n not given (or 1): the prompts alone are too many
+                raise OpenAIError(f"this request has {prompts} prompts but {most}: send at most "
+                                  f"{self.capacity} prompts per request", param="prompt")
+            if prompts == 1:
+                raise OpenAIError(f"this request asks for n={samples} samples but {most}", param="n")
+            raise OpenAIError(f"this request needs {n} streams ({prompts} prompts x n={samples}) but {most}",
+                              param="prompt" if prompts > self.capacity else "n")
         if self.total() + n > self.capacity:
             raise OpenAIError(f"the server is busy: {self.waiting} requests are waiting (at most "
                               f"{self.max_waiting}); retry after {RETRY_AFTER_S} s", status=503,

@@ -319,7 +319,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
                 param = "messages" if req.kind == "chat" else "prompt"
                 where = f"{param}[{p}]" if len(req.prompts) > 1 else param
                 raise OpenAIError(f"{where}: {e}", param=param) from None
-        ticket = gate.admit(len(checked) * req.n)
+        ticket = gate.admit(len(checked) * req.n, prompts=len(checked))
         # sent to the engine now, in this handler's first turn (AsyncLLM.submit says why); the n
         # samples of a prompt differ only in their seeds (SamplingParams.samples), the prompt was
         # checked once

@@ -44,9 +44,11 @@ class SpeculativeConfig:
         self.prompt_lookup_min = check_int("prompt_lookup_min", self.prompt_lookup_min, 1, self.prompt_lookup_max,
                                            note=" (prompt_lookup_max)", owner=o)
         check_bool("adaptive", self.adaptive, owner=o)
-        if self.method == "draft" and self.model is None:
+        m = self.model
+        if self.method == "draft" and (m is None or isinstance(m, (bool, int, float, bytes, dict, list, tuple, set))
+                                       or (isinstance(m, str) and not m.strip())):
             raise ValidationError("model", "a name or path LLM() loads, or a loaded model, with method 'draft'",
-                                  None, owner=o)
+                                  m, owner=o, shown=None if m is None or isinstance(m, str) else typed(m))
 
     def to_dict(self) -> dict:
         return asdict(self)

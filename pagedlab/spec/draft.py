@@ -27,6 +27,8 @@ from ..kv_cache import BlockAllocator, KVCache, blocks_needed
 from ..request import Request, RequestStatus
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
+from ..validation import ValidationError, show
+from .config import _OWNER
 
 GREEDY = SamplingParams(max_new_tokens=2**31 - 1)
 
@@ -49,10 +51,26 @@ def load_draft(spec_model, target_model, engine_config):
     from ..config import resolve_backend
     from ..model import build_model
     from ..weights import Checkpoint, load_checkpoint
-    ckpt = spec_model.validate() if isinstance(spec_model, Checkpoint) else \
-        load_checkpoint(spec_model, show_progress=False)
+    try:
+        ckpt = spec_model.validate() if isinstance(spec_model, Checkpoint) else \
+            load_checkpoint(spec_model, show_progress=False)
+    except (OSError, ValueError) as e:          # not found, gated, a bad checkpoint: the draft's
+        raise draft_error(e) from e
     backend = resolve_backend(engine_config.attention_backend, target_model.device)
     return build_model(ckpt.config, ckpt.tensors, target_model.device, target_model.dtype, engine_config, backend)
+
+
+def draft_error(e: Exception) -> Exception:
+    """An error loading the draft model, said as the draft's -- "speculative_config: model: ..."
+    -- not as the target model's (the command line named it --model). The same type where it is
+    one of weights.py's (ModelNotFound, GatedModelError), else ValueError / OSError; `.owner` is
+    "speculative_config" (the CLI names its flag, --speculative-config)."""
+    from ..weights import GatedModelError, ModelNotFound
+    cls = type(e) if type(e) in (ModelNotFound, GatedModelError) else ValueError if isinstance(e, ValueError) \
+        else OSError
+    out = cls(f"{_OWNER}: model: {e}")
+    out.owner = _OWNER
+    return out
 
 
 class DraftProposer:
@@ -63,8 +81,11 @@ class DraftProposer:
         its pool gets as many blocks, plus room for every slot's guesses)."""
         self.model = model = load_draft(spec_model, target_model, engine_config)
         if model.config.vocab_size != target_model.config.vocab_size:
-            raise ValueError(f"speculative_config: the draft model's vocabulary ({model.config.vocab_size}) "
-                             f"is not the target's ({target_model.config.vocab_size}): they must share a tokenizer")
+            named = isinstance(spec_model, str)        # (not the model itself: the error is pickled)
+            raise ValidationError(
+                "model", f"a model with the target's vocabulary ({target_model.config.vocab_size} tokens: the "
+                "same tokenizer)", spec_model if named else model.config.vocab_size, owner=_OWNER,
+                shown=f"{show(spec_model) if named else 'a model'} ({model.config.vocab_size} tokens)")
         cfg, k = engine_config, engine_config.speculative_config.num_speculative_tokens
         max_len = min(max_model_len or cfg.max_model_len or target_model.config.max_position_embeddings,
                       target_model.cos_sin.shape[0], model.cos_sin.shape[0] - k)
