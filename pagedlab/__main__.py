@@ -17,7 +17,7 @@ try:
     import os
 
     from .bench import BENCHMARKS, HTTP_BENCHMARKS
-    from .config import EngineConfig
+    from .config import DEFAULT_MAX_WAITING, EngineConfig
     from .conversation import DEMO_PROMPTS
     from .validation import ValidationError, check_device_present, check_int
 except KeyboardInterrupt:
@@ -33,7 +33,6 @@ USER_ERRORS = (ValueError, OSError, NotImplementedError, MemoryError)
 # EngineConfig fields that only the model can check (config.check_max_model_len): a bad one is an
 # error line naming its flag ("error: --max-model-len: max_model_len must be at most 256, ..." on random:tiny)
 MODEL_CHECKED = ("max_model_len",)
-DEFAULT_MAX_WAITING = 256                # serve --max-waiting (server/app.py's default too)
 USAGE_ERROR = 2                                        # exit status of a bad argument, as argparse's
 # the flag that sets each field (an error names the field as the user wrote it)
 FLAGS = {"max_new_tokens": "--max-tokens (--max-new-tokens)", "max_num_seqs": "--slots (--max-num-seqs)",

@@ -14,6 +14,8 @@ from .validation import (DEVICE_HINTS, DTYPE_ALIASES, DTYPES, SEED_MAX, Validati
                          check_bool, check_choice, check_device, check_device_present, check_dtype, check_int,
                          check_real, is_int, is_real, typed)
 
+DEFAULT_MAX_WAITING = 256     # a server's requests queued beyond the slots before 503 (serve --max-waiting)
+
 ConfigError = ValidationError        # the name config's callers know
 
 

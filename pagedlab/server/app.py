@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..async_llm import CoreNotAnswering
+from ..config import DEFAULT_MAX_WAITING
 from .admission import AdmissionGate
 from .metrics import ServerMetrics
 from .protocol import (OpenAIError, ParsedRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
@@ -40,7 +41,6 @@ from .protocol import (OpenAIError, ParsedRequest, parse_chat, parse_completion,
 from .responses import (SSE_DONE, Envelope, chat_logprobs, chat_response, chunk, completion_logprobs,
                         completion_response, sse, usage_chunk)
 
-DEFAULT_MAX_WAITING = 256             # requests queued beyond the slots before 503
 NOT_ANSWERING_RETRY_S = 30            # Retry-After of a 503 while every engine core is taken for hung
 
 
