@@ -2,13 +2,12 @@
 batching and Triton kernels -- built to be read and rebuilt step by step in the notebooks.
 
 The public names (`from pagedlab import LLM, SamplingParams, ...`) are imported on first use
-(PEP 562): `import pagedlab` alone is quick and imports no torch, so `python -m pagedlab` can take
-charge of Ctrl-C before the seconds of importing torch (a Ctrl-C then is one line, not a
-traceback: __main__.py). So are the package's modules: `pagedlab.weights` after `import pagedlab`.
-
-One thing is read at import all the same, outside `python -m pagedlab`: torch's own CPU thread
-count (cpu_threads.py), so that a `torch.set_num_threads(n)` made after `import pagedlab` and
-before the LLM is built stays the user's choice."""
+(PEP 562), and so are the package's modules (`pagedlab.weights` after `import pagedlab`). Under
+`python -m pagedlab` the package's import is then quick and imports no torch, so the CLI takes
+charge of Ctrl-C before the seconds of importing torch (a Ctrl-C then is one line, not a traceback:
+__main__.py). A plain `import pagedlab` still imports torch at once, to read torch's own CPU thread
+count (cpu_threads.py): a `torch.set_num_threads(n)` made after it and before the LLM is built
+stays the user's choice."""
 import sys as _sys
 
 if _sys.argv[:1] != ["-m"]:    # (while `python -m pagedlab ...` imports this package, argv[0] is "-m")
