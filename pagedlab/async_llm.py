@@ -203,6 +203,11 @@ class CoreNotAnswering(RuntimeError):
     """submit() while every running core has been silent past give_up_s (the server: 503)."""
 
 
+class CoreStopped(RuntimeError):
+    """submit() once the engine is gone: a core died, or this AsyncLLM was shut down (the server:
+    503, as it is unavailable rather than broken by the request)."""
+
+
 class Checked(NamedTuple):
     """A request as check_request returned it: safe to queue."""
     ids: list
@@ -418,8 +423,8 @@ class AsyncLLM:
         runs ready tasks in turn, so a burst moves through a handler in lockstep). `prompt` may be
         a Checked (what check_request returned): it is not checked twice."""
         if not self.is_alive():
-            raise RuntimeError("AsyncLLM was shut down" if self._stopped else
-                               "the engine core stopped: " + (self._why_dead() or "?"))
+            raise CoreStopped("AsyncLLM was shut down" if self._stopped else
+                              "the engine core stopped: " + (self._why_dead() or "?"))
         ids, text, params = prompt if isinstance(prompt, Checked) else self.check_request(prompt, params, chat)
         self._attach(asyncio.get_running_loop())
         now = time.monotonic()

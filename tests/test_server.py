@@ -728,3 +728,29 @@ def test_text_events_from_the_template_equal_whole_chunks():
                 text = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 8)))
                 index, usage = rnd.randrange(0, 130), rnd.random() < 0.5
                 assert env.text_event(index, text, usage) == sse(chunk(env, index, text, include_usage=usage))
+
+
+def test_a_request_after_the_engine_died_gets_503_naming_it():
+    """Once the engine is gone (its thread died), a new request is 503 "the engine core stopped:
+    ..." -- the server is unavailable, the request is not at fault (it was a 500)."""
+    s = serve(id_llm(), model_name=MODEL, port=0)
+    try:
+        core = s.async_llm.cores[0].core
+
+        def broken():
+            raise SystemError("injected: the engine is gone")
+        core.step = broken
+        body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3}
+        with httpx.Client(base_url=s.url, timeout=DEADLINE_S) as c:
+            first = c.post("/v1/completions", json=body)          # the request the engine died under
+            assert first.status_code >= 500, first.text
+            end = time.monotonic() + DEADLINE_S
+            while c.get("/health").status_code != 503:
+                assert time.monotonic() < end, "/health still ok"
+                time.sleep(0.05)
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert "the engine core stopped" in err["message"] and "injected" in err["message"], err
+    finally:
+        s.stop()

@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..async_llm import CoreNotAnswering
+from ..async_llm import CoreNotAnswering, CoreStopped
 from ..config import DEFAULT_MAX_WAITING
 from .admission import AdmissionGate
 from .metrics import ServerMetrics
@@ -335,6 +335,8 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
             if isinstance(e, CoreNotAnswering):   # every core taken for hung (AsyncLLM's give_up_s)
                 raise OpenAIError(str(e), status=503, type="server_error",
                                   headers={"Retry-After": str(NOT_ANSWERING_RETRY_S)}) from None
+            if isinstance(e, CoreStopped):        # the engine is gone (the CLI server exits for a restart)
+                raise OpenAIError(str(e), status=503, type="server_error") from None
             raise
 
         def close():                  # whatever happened: the ticket back, nothing left running
