@@ -19,6 +19,7 @@ import torch
 
 THREADS_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _TORCH_DEFAULT = torch.get_num_threads()          # what torch chose, read when pagedlab is imported
+# (`import pagedlab` imports this module at once; under `python -m pagedlab` the first LLM does: pagedlab/__init__.py)
 
 
 def cpu_threads_for(device) -> int | None:
