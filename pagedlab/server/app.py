@@ -235,7 +235,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
     app = ServingApp(title="pagedlab", description="OpenAI-compatible server on pagedlab's engine",
                      lifespan=lifespan)
     frontend = dict(index=getattr(async_llm, "frontend", 0), of=getattr(async_llm, "frontends", 1), pid=os.getpid())
-    metrics = ServerMetrics(async_llm.stats, frontend, getattr(async_llm, "core_silence", None))
+    metrics = ServerMetrics(async_llm.stats, frontend, async_llm.core_silence)
     gate = AdmissionGate(async_llm.max_num_seqs, max_waiting, admitted, frontend["index"])
     app.state.async_llm, app.state.metrics, app.state.admission = async_llm, metrics, gate
     app.state.model_name = model_name
@@ -261,7 +261,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
         or has been silent past its threshold (status "engine core not answering": stopped, or stuck
         in a step; 200 again by itself once it answers). reason: one line naming the core; each
         core's silent_s and answering are in engine_cores (AsyncLLM's liveness)."""
-        healthy, reason = async_llm.health() if hasattr(async_llm, "health") else (async_llm.is_alive(), "")
+        healthy, reason = async_llm.health()
         status = ("ok" if healthy else "engine stopped" if not async_llm.is_alive()
                   else "engine core not answering")
         return JSONResponse({"status": status, **({} if healthy else {"reason": reason}),
