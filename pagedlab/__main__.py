@@ -206,9 +206,10 @@ def check_serve_args(args) -> None:
                   note=f" (requests queued beyond the slots before 503: {why})")
     except ValidationError as e:
         fail(e.rule(flag_of(e.field)))
-    from .async_llm import liveness
+    from .async_llm import KEEPALIVE_S, liveness, liveness_seconds
     try:
         liveness(args.core_silent_s, args.core_give_up_s)
+        liveness_seconds("PAGEDLAB_SSE_KEEPALIVE_S", None, KEEPALIVE_S, zero_ok=True)
     except ValueError as e:             # "silent_s must be ..." (a flag's) or "PAGEDLAB_CORE_SILENT_S must be ..."
         why = str(e)
         fail(why if why.startswith("PAGEDLAB_") else "--core-" + why.replace("_", "-", 2))

@@ -70,6 +70,7 @@ IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue 
 CORE_SILENT_S = 30.0      # a core silent this long is reported (/health 503): PAGEDLAB_CORE_SILENT_S
 CORE_GIVE_UP_S = 300.0    # ... this long, its streams are ended: PAGEDLAB_CORE_GIVE_UP_S (0: never)
 FRONT_END_STALL_S = 5.0   # watch() woken this much late: this front end stalled, not the cores
+KEEPALIVE_S = 15.0        # a stream with nothing new this long gets a keep-alive: PAGEDLAB_SSE_KEEPALIVE_S (0: never)
 BUSY_TIMES = {"busy_start_t": min, "busy_end_t": max}     # core stats that are moments (time.monotonic)
 log = logging.getLogger("pagedlab.async_llm")
 
@@ -217,11 +218,13 @@ class Checked(NamedTuple):
 
 class _Caller:
     """One request's caller: its state in the output processor, its core, an event that says the
-    request moved."""
-    __slots__ = ("state", "core", "cost", "event")
+    request moved; `idle`: seconds since its stream last moved (watch() adds them up), `nudged`: a
+    keep-alive is due (the event was set with nothing new)."""
+    __slots__ = ("state", "core", "cost", "event", "idle", "nudged")
 
     def __init__(self, state: RequestState, core: int, cost: int):
         self.state, self.core, self.cost, self.event = state, core, cost, asyncio.Event()
+        self.idle, self.nudged = 0.0, False
 
 
 class AsyncLLM:
@@ -277,6 +280,10 @@ class AsyncLLM:
         self.cores = cores
         # liveness (the module's doc): report a core silent past silent_s, end its streams past give_up_s
         self.silent_s, self.give_up_s = silent_s, give_up_s
+        # a stream with nothing new for keepalive_s (a long wait in the queue, a silent core) is
+        # nudged: the server writes an SSE comment, so that proxies and clients with an idle timeout
+        # do not cut it (0: never)
+        self.keepalive_s = liveness_seconds("PAGEDLAB_SSE_KEEPALIVE_S", None, KEEPALIVE_S, zero_ok=True)
         self._quiet: set[int] = set()       # the cores reported not answering (watch: logged once)
         self.frontend, self.frontends = frontend, frontends
         info = cores[0].info
@@ -383,6 +390,19 @@ class AsyncLLM:
             for k, s in self.not_answering(self.give_up_s):
                 self._give_up(k, s)
 
+    def _keep_alive(self, seconds: float) -> None:
+        """watch(), every second: streams that did not move for keepalive_s are nudged (their
+        deltas(keepalive=True) yields None once). Nothing is added to a step: _on_step only sets a
+        moved stream's idle time back to 0."""
+        if not self.keepalive_s:
+            return
+        for caller in self._callers.values():
+            if caller.state.stream:
+                caller.idle += seconds
+                if caller.idle >= self.keepalive_s:
+                    caller.idle, caller.nudged = 0.0, True
+                    caller.event.set()
+
     def _give_up(self, k: int, seconds: float) -> None:
         """Core k has not answered for `seconds` (> give_up_s): end its open streams with an error
         and abort their requests in it (the aborts wait in its pipe: if it answers again it frees
@@ -468,6 +488,7 @@ class AsyncLLM:
                 self._look_at_liveness()
             t = time.monotonic()
             await asyncio.sleep(every_s)
+            self._keep_alive(time.monotonic() - t)
             late = time.monotonic() - t - every_s
             if late > FRONT_END_STALL_S:    # this front end did not run (its loop blocked, the whole
                 now = time.monotonic()      # server stopped): the cores' silence meanwhile is not theirs
@@ -522,6 +543,7 @@ class AsyncLLM:
                 self._forget(state.request_id)
                 caller.event.set()
             elif state.stream:
+                caller.idle = 0.0
                 caller.event.set()
 
     def _forget(self, rid: int) -> None:
@@ -590,14 +612,20 @@ class Submitted:
     def __init__(self, allm: AsyncLLM, request_id: int, caller: _Caller):
         self.allm, self.request_id, self.caller = allm, request_id, caller
 
-    async def deltas(self):
-        """StreamDelta's as the request moves; the last has finished=True (stream=False: only that one)."""
+    async def deltas(self, keepalive: bool = False):
+        """StreamDelta's as the request moves; the last has finished=True (stream=False: only that one).
+        keepalive: also None each time the stream has not moved for the AsyncLLM's keepalive_s (what
+        the server turns into an SSE comment; watch() must be running)."""
         caller, state = self.caller, self.caller.state
         while True:
             await caller.event.wait()
             caller.event.clear()
             delta = state.delta()
             if delta is None:
+                if caller.nudged:
+                    caller.nudged = False
+                    if keepalive:
+                        yield None
                 continue
             yield delta
             if delta.finished:

@@ -335,3 +335,45 @@ def test_a_bad_threshold_flag_is_one_line_naming_it(flag, value, said):
     r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--model", MODEL, "--device", "cpu", flag, value],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_stream_on_a_silent_core_gets_keep_alive_comments_then_finishes_exactly(server, reference):
+    """keepalive_s 1 s: while the core is stopped (3.5 s) each open stream gets SSE comments
+    `: keep-alive` (at least two), none while it flows, and after SIGCONT it finishes with exactly an
+    unpaused run's tokens; the comment is not a data event (an SSE client skips it)."""
+    s, pid = server
+    want = reference.generate(PROMPTS[:1], PARAMS[:1])[0]
+    s.async_llm.keepalive_s = 1.0
+    lines, marks = [], {}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+            async with c.stream("POST", "/v1/completions", json=body(PROMPTS[0], PARAMS[0])) as r:
+                async for line in r.aiter_lines():
+                    lines.append(line)
+                    if line.startswith("data:") and "stop_i" not in marks:
+                        os.kill(pid, signal.SIGSTOP)
+                        marks["stop_i"] = len(lines)
+                        await asyncio.sleep(3.5)              # the stream's lines wait in the socket
+                        os.kill(pid, signal.SIGCONT)
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        s.async_llm.keepalive_s = 15.0
+    comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+    assert len(comments) >= 2, lines[:20]
+    assert all(lines[i] == ": keep-alive" for i in comments)
+    assert all(i >= marks["stop_i"] for i in comments), "a keep-alive while tokens flowed"
+    data = [line for line in lines if line.startswith("data:")]
+    text = "".join(json.loads(d[5:])["choices"][0]["text"] for d in data[:-1] if '"choices"' in d)
+    assert data[-1] == "data: [DONE]" and ids_of(text) == want.token_ids
+    wait_blocks_free(s.url)
+
+
+def test_a_bad_keepalive_setting_is_one_line_naming_it():
+    env = dict(os.environ, PAGEDLAB_SSE_KEEPALIVE_S="soon")
+    r = subprocess.run([sys.executable, "-m", "pagedlab", "serve", "--model", MODEL, "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    said = "error: PAGEDLAB_SSE_KEEPALIVE_S must be a number of seconds, got 'soon'"
+    assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -38,7 +38,7 @@ from .admission import AdmissionGate
 from .metrics import ServerMetrics
 from .protocol import (OpenAIError, ParsedRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize,
                        read_body, receive_body)
-from .responses import (SSE_DONE, Envelope, chat_logprobs, chat_response, chunk, completion_logprobs,
+from .responses import (SSE_DONE, SSE_KEEPALIVE, Envelope, chat_logprobs, chat_response, chunk, completion_logprobs,
                         completion_response, sse, usage_chunk)
 
 NOT_ANSWERING_RETRY_S = 30            # Retry-After of a 503 while every engine core is taken for hung
@@ -60,7 +60,10 @@ async def merged_streams(requests, metrics: ServerMetrics, arrival: float, strea
     async def pump(index, request):
         try:
             first = True
-            async for delta in request.deltas():
+            async for delta in request.deltas(keepalive=stream):
+                if delta is None:                 # a keep-alive (AsyncLLM.keepalive_s)
+                    queue.put_nowait((index, None, None))
+                    continue
                 if first and delta.token_ids:
                     metrics.on_first_token(time.perf_counter() - arrival if stream else delta.output.ttft_s)
                     first = False
@@ -75,7 +78,7 @@ async def merged_streams(requests, metrics: ServerMetrics, arrival: float, strea
             index, delta, error = await queue.get()
             if error is not None:
                 raise error
-            if delta.finished:
+            if delta is not None and delta.finished:
                 done.add(index)
                 metrics.on_finish(delta.output)
             yield index, delta
@@ -93,7 +96,10 @@ async def one_stream(request, metrics: ServerMetrics, arrival: float, stream: bo
     queue between (the pump is there to interleave several choices; one choice needs none)."""
     first, finished = True, False
     try:
-        async for delta in request.deltas():
+        async for delta in request.deltas(keepalive=stream):
+            if delta is None:                     # a keep-alive: (0, None)
+                yield 0, None
+                continue
             if first and delta.token_ids:
                 metrics.on_first_token(time.perf_counter() - arrival if stream else delta.output.ttft_s)
                 first = False
@@ -379,7 +385,7 @@ def build_app(async_llm, model_name: str, max_waiting: int = DEFAULT_MAX_WAITING
 async def collect(streams, count: int) -> list:
     outputs = [None] * count
     async for index, delta in streams:
-        if delta.finished:
+        if delta is not None and delta.finished:
             outputs[index] = delta.output
     return outputs
 
@@ -394,6 +400,9 @@ async def events(req: ParsedRequest, env: Envelope, streams, prompt_lengths, log
             for i in range(count):
                 yield sse(chunk(env, i, None, first=True, include_usage=usage))
         async for i, delta in streams:
+            if delta is None:                 # nothing new for a while: a comment keeps the line open
+                yield SSE_KEEPALIVE
+                continue
             new_logprobs = getattr(delta, "logprobs", None) if req.logprobs is not None else None
             if new_logprobs:
                 lp = logprobs_of(_Piece(new_logprobs), offsets[i])

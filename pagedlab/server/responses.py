@@ -23,6 +23,10 @@ import time
 import uuid
 
 SSE_DONE = "data: [DONE]\n\n"
+# a comment line (SSE clients skip it): written to a stream that has had nothing new for
+# AsyncLLM.keepalive_s (15 s; PAGEDLAB_SSE_KEEPALIVE_S), so that a proxy's or a client's idle
+# timeout does not cut a request that waits in the queue or on a silent engine core
+SSE_KEEPALIVE = ": keep-alive\n\n"
 
 
 def new_id(kind: str) -> str:
