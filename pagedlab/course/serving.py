@@ -7,9 +7,9 @@ rules by which several front ends share one engine core (`serve --api-servers N`
 
 `check_sse_events` builds streams the way pagedlab's server writes them (pagedlab.server.responses:
 `chunk`, `sse`, `usage_chunk`, `SSE_DONE`), cuts their bytes into network chunks at random places
-(inside an event, inside a multi-byte UTF-8 character, one byte at a time), adds what other servers
-send (keep-alive comments, `\\r\\n` line ends, a payload over two `data:` lines, an `event:` field),
-and checks that the learner's parser gives back exactly the JSON objects that were sent, stops at
+(inside an event, inside a multi-byte UTF-8 character, one byte at a time), adds keep-alive
+comments (`SSE_KEEPALIVE`: pagedlab's server writes one to a stream idle for 15 s) and what other
+servers send (`\\r\\n` line ends, a payload over two `data:` lines, an `event:` field), and checks that the learner's parser gives back exactly the JSON objects that were sent, stops at
 `[DONE]`, and hands each event out as soon as its blank line has arrived (streaming, not reading
 the whole body first). A mistake raises `CheckFailed` (pagedlab.checks) naming the input, what was
 expected and what came back, with a hint.
@@ -71,8 +71,8 @@ def _events(rng) -> list[dict]:
 def _wire(objs: list[dict], rng, crlf=False, comments=False, split_data=False, fields=False,
           after_done=False) -> bytes:
     """The bytes of a stream of `objs`, then [DONE]; with the variations other servers use."""
-    from ..server.responses import SSE_DONE, sse
-    parts = [": keep-alive\n\n"] if comments else []
+    from ..server.responses import SSE_DONE, SSE_KEEPALIVE, sse
+    parts = [SSE_KEEPALIVE] if comments else []
     for obj in objs:
         ev = sse(obj)
         if split_data:                      # one payload over two data: lines (joined with "\n")
