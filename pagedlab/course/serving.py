@@ -9,9 +9,10 @@ rules by which several front ends share one engine core (`serve --api-servers N`
 `chunk`, `sse`, `usage_chunk`, `SSE_DONE`), cuts their bytes into network chunks at random places
 (inside an event, inside a multi-byte UTF-8 character, one byte at a time), adds keep-alive
 comments (`SSE_KEEPALIVE`: pagedlab's server writes one to a stream idle for 15 s) and what other
-servers send (`\\r\\n` line ends, a payload over two `data:` lines, an `event:` field), and checks that the learner's parser gives back exactly the JSON objects that were sent, stops at
-`[DONE]`, and hands each event out as soon as its blank line has arrived (streaming, not reading
-the whole body first). A mistake raises `CheckFailed` (pagedlab.checks) naming the input, what was
+servers send (`\\r\\n` line ends, a payload over two `data:` lines, an `event:` field), and checks
+that the learner's parser gives back exactly the JSON objects that were sent, stops at `[DONE]`,
+and hands each event out as soon as its blank line has arrived (streaming, not reading the whole
+body first). A mistake raises `CheckFailed` (pagedlab.checks) naming the input, what was
 expected and what came back, with a hint.
 
 `check_numbering` and `check_split_step` compare the learner's request numbering (front end f of N:
