@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import httpx
 import numpy as np
@@ -289,6 +290,32 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert math.isclose(b["ttft_p99_ratio"], r["ttft_ms"]["p99"] / off["ttft_p99_ms_median"])
     assert math.isclose(b["tok_s_ratio"], r["served_over_offline"])
     assert f"TTFT p99 {b['served_ttft_p99_ms']:.0f} vs {b['offline_ttft_p99_ms']:.0f} ms" in out
+    # request by request: each job's TTFT served and offline (the middle pass), by offline TTFT
+    assert len(r["ttft_ms_each"]) == len(off["ttft_ms_each"]) == 6 and None not in r["ttft_ms_each"]
+    each = sorted(r["ttft_ms_each"])
+    assert each[-2] - 0.01 <= r["ttft_ms"]["p99"] <= each[-1] + 0.01
+    waves = r["ttft_by_wave"]
+    assert [w["offline_ms"] for w in waves] == sorted(off["ttft_ms_each"])
+    by_offline = sorted(zip(off["ttft_ms_each"], r["ttft_ms_each"]))
+    assert [w["served_ms"] for w in waves] == [s for _, s in by_offline]
+    assert "TTFT served - offline, request by request" in out
+
+
+def test_ttft_by_wave_finds_where_the_served_time_is_lost():
+    """Served = offline + 3 ms for the requests answered first, + 40 ms for the later ones (shuffled
+    job order, a failed request on each side): the groups by offline TTFT say so, in order."""
+    rnd = random.Random(5)
+    offline = [rnd.uniform(30, 1400) for _ in range(203)]
+    cut = sorted(offline)[120]
+    served = [o + (3.0 if o < cut else 40.0) + rnd.uniform(-0.5, 0.5) for o in offline]
+    served[7], offline[11] = None, None
+    waves = bench.ttft_by_wave(served, offline, groups=4)
+    assert len(waves) == 4
+    assert [w["offline_ms"] for w in waves] == sorted(w["offline_ms"] for w in waves)
+    diffs = [w["served_minus_offline_ms"] for w in waves]
+    assert abs(diffs[0] - 3) < 1 and abs(diffs[1] - 3) < 1 and abs(diffs[3] - 40) < 1, diffs
+    assert all(w["served_ms"] > w["offline_ms"] for w in waves)
+    assert bench.ttft_by_wave([None], [5.0]) == []
 
 
 def test_temperature_reaches_every_request():

@@ -322,6 +322,8 @@ def summarize(rate: float, results: list[Result], duration_s: float, args) -> di
         "ttft_ms": pcts(r.ttft_s for r in done), "tpot_ms": pcts(r.tpot_s for r in done),
         "itl_ms": pcts(x for r in done for x in r.itl_s), "e2e_latency_ms": pcts(r.latency_s for r in done),
         "goodput": len(good) / duration_s, "goodput_fraction": len(good) / len(results) if results else None,
+        # each request's TTFT in the jobs' order (None: failed), for ttft_by_wave
+        "ttft_ms_each": [round(r.ttft_s * 1e3, 3) if r.ok else None for r in results],
     }
 
 
@@ -818,6 +820,8 @@ def main(argv=None) -> int:
         for r in results:
             r["served_over_offline"] = r["output_throughput"] / offline["output_throughput"]
         offline["bursts"] = burst_comparison(results, offline)
+        for r in results:
+            r["ttft_by_wave"] = ttft_by_wave(r["ttft_ms_each"], offline.get("ttft_ms_each") or [])
     out = out_dir(args.out)
     config = {k: v for k, v in vars(args).items()} | {"model": model, "rates": [str(r) for r in rates]}
     path = write_json(out / "serve_bench.json", {"metadata": meta, "config": config, "results": results,
@@ -839,6 +843,12 @@ def main(argv=None) -> int:
         print("TTFT min (the first answer of a burst): offline {:.1f} ms; served ".format(offline["ttft_ms"]["min"])
               + ", ".join(f"rate {r['rate']}: {r['ttft_ms']['min']:.1f} ms" for r in results
                           if r["ttft_ms"].get("min") is not None))
+    for r in results:
+        if r.get("ttft_by_wave"):
+            print(f"rate {r['rate']}: TTFT served - offline, request by request, in eighths by offline TTFT "
+                  "(median ms: offline -> served, +diff): " + ", ".join(
+                      f"{w['offline_ms']:.0f}->{w['served_ms']:.0f} ({w['served_minus_offline_ms']:+.0f})"
+                      for w in r["ttft_by_wave"]))
     if offline:
         later = ", ".join(f"{x:.0f}" for x in offline["pass_throughputs"][1:])
         print(f"offline (LLM.generate, the same {len(jobs)} requests at once, the median of passes 2.."
@@ -940,6 +950,23 @@ def without_prefix_reuse(serve_args: str) -> str:
     return serve_args + " --no-prefix-caching"
 
 
+def ttft_by_wave(served: list, offline: list, groups: int = 8) -> list[dict]:
+    """Request by request, the same job served and offline: the jobs in the order of their offline
+    TTFT, cut into `groups` equal groups (the first: the requests the engine answers first; the
+    last: those that waited for a slot -- where a burst's TTFT p99 sits), and per group the median
+    offline TTFT, served TTFT and served minus offline (ms). Where the served TTFT is lost: at the
+    front (the way in), evenly (the way out), or at the tail (the engine's own timeline)."""
+    pairs = sorted((o, s) for o, s in zip(offline, served) if o is not None and s is not None)
+    groups = min(groups, len(pairs))                  # (fewer requests than groups: one each)
+    out = []
+    for g in range(groups):
+        part = pairs[g * len(pairs) // groups:(g + 1) * len(pairs) // groups]
+        out.append({"offline_ms": statistics.median(o for o, _ in part),
+                    "served_ms": statistics.median(s for _, s in part),
+                    "served_minus_offline_ms": statistics.median(s - o for o, s in part)})
+    return out
+
+
 def burst_comparison(results: list[dict], offline: dict) -> dict | None:
     """The bursts (rate inf) against the offline passes after the first, both as medians: one burst
     and one pass each vary by ~10 % (tokens/s and TTFT p99 alike), so a single pair says little."""
@@ -1004,7 +1031,8 @@ def offline_worker(spec_path: str) -> int:
                                    {k: spent[f"decode_{k}"] for k in PHASES})
         tokens = sum(len(o.token_ids) for o in outs)
         passes.append({"output_throughput": tokens / dt, "duration_s": dt, "total_output_tokens": tokens,
-                       "ttft_ms": pcts(o.ttft_s for o in outs)} | kinds)
+                       "ttft_ms": pcts(o.ttft_s for o in outs),
+                       "ttft_ms_each": [round(o.ttft_s * 1e3, 3) for o in outs]} | kinds)
     later = sorted(passes[1:], key=lambda x: x["output_throughput"])
     # tokens/s: the median of the later passes (of two, their mean); TTFT and steps: the middle pass
     median = statistics.median(x["output_throughput"] for x in later)
