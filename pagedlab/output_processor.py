@@ -84,6 +84,10 @@ class RequestOutput:
     num_spec_accepted: int = 0       # ... and of those, kept (emitted without a step of their own)
     logprobs: list | None = None     # SamplingParams.logprobs: a TokenLogprob per output token
     outputs: list | None = None      # SamplingParams.n > 1: every sample's RequestOutput (this is [0])
+    # moments on time.perf_counter's clock (on Linux CLOCK_MONOTONIC: one clock for every process of
+    # the machine): when the request reached its front end / LLM, when its first token came back
+    arrival_t: float | None = None
+    first_token_t: float | None = None
 
     @property
     def usage(self) -> dict:
@@ -181,7 +185,8 @@ class RequestState:
             error=done.error if done else None, num_cached_tokens=done.num_cached_tokens if done else 0,
             num_spec_proposed=done.num_spec_proposed if done else 0,
             num_spec_accepted=done.num_spec_accepted if done else 0,
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None)
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            arrival_t=self.arrival, first_token_t=times[0] if times else None)
         return self.output
 
     def delta(self) -> StreamDelta | None:

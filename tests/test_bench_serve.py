@@ -299,6 +299,13 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     by_offline = sorted(zip(off["ttft_ms_each"], r["ttft_ms_each"]))
     assert [w["served_ms"] for w in waves] == [s for _, s in by_offline]
     assert "TTFT served - offline, request by request" in out
+    # the TTFT split by the server's own moments (--serve asks for them): one clock for the
+    # machine's processes, so each part is >= 0 for every request, and the parts add up to the TTFT
+    sp = r["ttft_split_ms"]
+    assert set(sp) == {"way_in", "engine", "way_out"} and all(sp[k]["min"] >= 0 for k in sp), sp
+    assert sp["engine"]["p50"] > 0
+    assert abs(sum(sp[k]["mean"] for k in sp) - r["ttft_ms"]["mean"]) < 0.01 * r["ttft_ms"]["mean"]
+    assert set(r["ttft_split_slowest_ms"]) == set(sp) and "TTFT split (ms, p50 / p99" in out
 
 
 def test_ttft_by_wave_finds_where_the_served_time_is_lost():

@@ -125,6 +125,17 @@ def test_openai_client_stream_joins_to_whole(server, reference):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
     assert all(ch.usage is None for ch in chunks[:-1])
 
+    # pagedlab's own stream option: the usage chunk also says when the request reached the front end
+    # and when its first token came back -- on this machine's monotonic clock (time.perf_counter)
+    before = time.perf_counter()
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=11, temperature=0, stream=True,
+                                       stream_options={"pagedlab_timing": True}, extra_body={"ignore_eos": True}))
+    after = time.perf_counter()
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 11
+    [moments] = chunks[-1].model_extra["pagedlab_timing"]
+    assert before < moments["arrival"] < moments["first_token"] < after, (before, moments, after)
+
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
                 {"role": "assistant", "content": "hi"},
                 {"role": "user", "content": [{"type": "text", "text": "and "}, {"type": "text", "text": "now?"}]}]
@@ -322,6 +333,8 @@ BAD = [   # (endpoint, body, the field the error must name, code)
     ("completions", COMPLETION | {"prompt": "   "}, "prompt", None),
     ("completions", COMPLETION | {"echo": True}, "echo", None),
     ("completions", COMPLETION | {"stream_options": {"include_usage": True}}, "stream_options", None),
+    ("completions", COMPLETION | {"stream": True, "stream_options": {"pagedlab_timing": "yes"}}, "stream_options", None),
+    ("completions", COMPLETION | {"stream": True, "stream_options": {"timing": True}}, "stream_options", None),
     ("chat", CHAT | {"top_logprobs": 3}, "top_logprobs", None),
 ]
 

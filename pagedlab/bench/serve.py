@@ -152,6 +152,13 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     itl_s: list = field(default_factory=list)
+    # moments (time.perf_counter: CLOCK_MONOTONIC on Linux, one clock for the machine's processes):
+    # sent, the first text read, and -- from a pagedlab server asked for them (--server-timing) --
+    # when the request reached its front end and when its first token came back from the engine
+    sent_t: float = float("nan")
+    first_read_t: float = float("nan")
+    server_arrival_t: float = float("nan")
+    server_first_token_t: float = float("nan")
 
     @property
     def tpot_s(self) -> float:
@@ -160,10 +167,14 @@ class Result:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def request_body(model: str, job: Job, ignore_eos: bool, stream: bool) -> dict:
+def request_body(model: str, job: Job, ignore_eos: bool, stream: bool | str) -> dict:
+    """stream: True, False, or "timing" (streamed, and a pagedlab server is asked for its moments:
+    stream_options.pagedlab_timing)."""
     body = {"model": model, "prompt": job.prompt, "max_tokens": job.output_len, "temperature": job.temperature}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
+        if stream == "timing":
+            body["stream_options"]["pagedlab_timing"] = True
     if ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -172,6 +183,7 @@ def request_body(model: str, job: Job, ignore_eos: bool, stream: bool) -> dict:
 async def read_stream(lines, r: Result, t0: float) -> None:
     """Fill `r` from the lines (str) of a server-sent event stream, timing each chunk of text."""
     chunks, finished, last = 0, False, t0
+    r.sent_t = t0
     async for line in lines:
         if not line.startswith("data:"):
             continue
@@ -183,6 +195,10 @@ async def read_stream(lines, r: Result, t0: float) -> None:
         if "error" in obj:
             r.error = str(obj["error"].get("message", obj["error"]))
             continue
+        if obj.get("pagedlab_timing"):
+            moments = obj["pagedlab_timing"][0]
+            r.server_arrival_t = moments.get("arrival") or float("nan")
+            r.server_first_token_t = moments.get("first_token") or float("nan")
         if obj.get("usage"):
             r.prompt_tokens = obj["usage"].get("prompt_tokens")
             r.output_tokens = obj["usage"].get("completion_tokens", r.output_tokens)
@@ -192,7 +208,7 @@ async def read_stream(lines, r: Result, t0: float) -> None:
             if choice.get("text"):
                 now = time.perf_counter()
                 if chunks == 0:
-                    r.ttft_s = now - t0
+                    r.ttft_s, r.first_read_t = now - t0, now
                 else:
                     r.itl_s.append(now - last)
                 last, chunks = now, chunks + 1
@@ -324,7 +340,26 @@ def summarize(rate: float, results: list[Result], duration_s: float, args) -> di
         "goodput": len(good) / duration_s, "goodput_fraction": len(good) / len(results) if results else None,
         # each request's TTFT in the jobs' order (None: failed), for ttft_by_wave
         "ttft_ms_each": [round(r.ttft_s * 1e3, 3) if r.ok else None for r in results],
-    }
+    } | ttft_split(done)
+
+
+def ttft_split(done: list[Result]) -> dict:
+    """A client's TTFT in three parts, request by request, where the server said its moments
+    (--server-timing): the way in (sent -> the request reached the front end: the client's write,
+    the network, HTTP parsing), the engine (-> its first token came back to the front end: the
+    queue, the prefill, the core's hand-out) and the way out (-> the client read it: the front
+    end's event, the socket, the client's read). Percentiles of each, and each part's mean over the
+    slowest 1 % of TTFTs (where a burst's p99 sits)."""
+    rows = [(r.ttft_s, r.server_arrival_t - r.sent_t, r.server_first_token_t - r.server_arrival_t,
+             r.first_read_t - r.server_first_token_t) for r in done if math.isfinite(r.server_first_token_t)]
+    if not rows:
+        return {}
+    rows.sort()
+    tail = rows[-max(1, len(rows) // 100):]
+    parts = ("way_in", "engine", "way_out")
+    return {"ttft_split_ms": {p: pcts(row[k + 1] for row in rows) for k, p in enumerate(parts)},
+            "ttft_split_slowest_ms": {p: 1e3 * statistics.fmean(row[k + 1] for row in tail)
+                                      for k, p in enumerate(parts)}}
 
 
 BUSY = ("core_busy_periods", "core_busy_start_time", "core_busy_end_time")
@@ -419,7 +454,8 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     event loop and connections, started together (see send_from_processes)."""
     from tqdm.auto import tqdm
     times = arrival_times(len(jobs), rate, args.seed)
-    how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=not args.no_stream,
+    stream = (not args.no_stream) and ("timing" if args.server_timing or args.serve else True)
+    how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=stream,
                preconnect=args.preconnect, client=args.client, cpus=getattr(args, "client_cpu_list", None))
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
         results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
@@ -717,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                "the README's figures come from --out figures)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-stream", action="store_true", help="whole answers (stream: false) instead of SSE")
+    p.add_argument("--server-timing", action="store_true",
+                   help="ask a pagedlab server at --url for each request's moments (stream_options."
+                        "pagedlab_timing) and split the TTFT into the way in, the engine and the way out "
+                        "(on with --serve; the server must run on this machine: one clock)")
     p.add_argument("--client-procs", default="1", metavar="N[,N..]",
                    help="client processes sending each rate's requests (default 1); a list is taken in "
                         "turn across the rates: `--rate inf,inf --client-procs 1,4` sends the first burst "
@@ -844,6 +884,12 @@ def main(argv=None) -> int:
               + ", ".join(f"rate {r['rate']}: {r['ttft_ms']['min']:.1f} ms" for r in results
                           if r["ttft_ms"].get("min") is not None))
     for r in results:
+        if r.get("ttft_split_ms"):
+            sp, slow = r["ttft_split_ms"], r["ttft_split_slowest_ms"]
+            print(f"rate {r['rate']}: TTFT split (ms, p50 / p99 / mean of the slowest 1 %): " + ", ".join(
+                f"{name} {sp[k]['p50']:.1f} / {sp[k]['p99']:.1f} / {slow[k]:.1f}" for k, name in
+                (("way_in", "way in (sent -> front end)"), ("engine", "engine (-> first token back)"),
+                 ("way_out", "way out (-> client read)"))))
         if r.get("ttft_by_wave"):
             print(f"rate {r['rate']}: TTFT served - offline, request by request, in eighths by offline TTFT "
                   "(median ms: offline -> served, +diff): " + ", ".join(

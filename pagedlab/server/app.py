@@ -419,7 +419,7 @@ async def events(req: ParsedRequest, env: Envelope, streams, prompt_lengths, log
                     return
                 yield sse(chunk(env, i, None, finish_reason=out.finish_reason, include_usage=usage))
         if usage:
-            yield sse(usage_chunk(env, prompt_lengths, outputs))
+            yield sse(usage_chunk(env, prompt_lengths, outputs, req.timing))
         yield SSE_DONE
     except RuntimeError as e:                 # the engine thread stopped under us
         yield sse(OpenAIError(str(e), status=500, type="server_error").body())

@@ -291,13 +291,14 @@ class ParsedRequest:
     include_usage: bool = False                # stream_options.include_usage
     logprobs: int | None = None                # top alternatives per token (None: no logprobs)
     texts: list[str | None] = field(default_factory=list)
+    timing: bool = False                       # stream_options.pagedlab_timing (a pagedlab extension)
 
     @property
     def n(self) -> int:
         return self.params.n
 
 
-def _common(body: dict, allowed: dict, served_model: str) -> tuple[str, bool, bool]:
+def _common(body: dict, allowed: dict, served_model: str) -> tuple[str, bool, bool, bool]:
     check_shape(body, allowed)
     model = body.get("model")
     if model is None:
@@ -307,17 +308,21 @@ def _common(body: dict, allowed: dict, served_model: str) -> tuple[str, bool, bo
             param="model", code="model_not_found")
     stream = bool(body.get("stream") or False)
     opts = body.get("stream_options")
-    include_usage = False
+    given = {"include_usage": False, "pagedlab_timing": False}
     if opts is not None:
         if not stream:
             bad("stream_options is only allowed when stream is true", param="stream_options")
         for k, v in opts.items():
-            if k != "include_usage":
-                bad(f"unrecognized stream option: {k}", param="stream_options")
+            if k not in given:
+                bad(f"unrecognized stream option: {k} (stream_options takes {', '.join(given)})",
+                    param="stream_options")
             if not isinstance(v, bool):
-                bad(f"stream_options.include_usage must be a boolean, got {_show(v)}", param="stream_options")
-            include_usage = v
-    return model, stream, include_usage
+                bad(f"stream_options.{k} must be a boolean, got {_show(v)}", param="stream_options")
+            given[k] = v
+    # pagedlab_timing (pagedlab's own, for `bench serve`): the usage chunk, with each choice's
+    # moments in the server -- arrived, first token -- on the machine's monotonic clock
+    timing = given["pagedlab_timing"]
+    return model, stream, given["include_usage"] or timing, timing
 
 
 def _prompt_token_lists(prompt, tokenizer) -> tuple[list[list[int]], list[str | None]]:
@@ -361,7 +366,7 @@ def check_context(max_tokens, prompt_lengths: list[int], max_model_len: int | No
 def parse_completion(body: dict, served_model: str, tokenizer, max_model_len: int | None = None) -> ParsedRequest:
     """A /v1/completions body. max_tokens defaults to 16 (OpenAI's and vLLM's), fewer if the
     context has no room for 16."""
-    model, stream, include_usage = _common(body, COMPLETION_FIELDS, served_model)
+    model, stream, include_usage, timing = _common(body, COMPLETION_FIELDS, served_model)
     prompts, texts = _prompt_token_lists(body.get("prompt"), tokenizer)
     kwargs, params_of = _sampling_kwargs(body)
     max_tokens = body.get("max_tokens")
@@ -377,7 +382,7 @@ def parse_completion(body: dict, served_model: str, tokenizer, max_model_len: in
     if logprobs is not None:
         kwargs["logprobs"], params_of["logprobs"] = logprobs, "logprobs"
     params = make_params(kwargs, params_of)
-    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, texts)
+    return ParsedRequest("completion", model, prompts, params, stream, include_usage, logprobs, texts, timing)
 
 
 # -- chat messages -------------------------------------------------------------------------------
@@ -448,7 +453,7 @@ def check_template_kwargs(kwargs: dict | None, tokenizer) -> None:
 def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> ParsedRequest:
     """A /v1/chat/completions body. The conversation goes through the tokenizer's chat template
     (tokenizer.chat(messages): every message, ending with the assistant's turn to speak)."""
-    model, stream, include_usage = _common(body, CHAT_FIELDS, served_model)
+    model, stream, include_usage, timing = _common(body, CHAT_FIELDS, served_model)
     if body.get("messages") is None:
         bad("you must provide messages", param="messages")
     messages = check_messages(body["messages"])
@@ -473,7 +478,7 @@ def parse_chat(body: dict, served_model: str, tokenizer, max_model_len: int) -> 
         kwargs["logprobs"] = logprobs
         params_of["logprobs"] = "logprobs" if top is None else "top_logprobs"
     params = make_params(kwargs, params_of)
-    return ParsedRequest("chat", model, [ids], params, stream, include_usage, logprobs, [None])
+    return ParsedRequest("chat", model, [ids], params, stream, include_usage, logprobs, [None], timing)
 
 
 # -- /tokenize and /detokenize (vLLM's) -----------------------------------------------------------

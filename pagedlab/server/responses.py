@@ -146,6 +146,13 @@ def chunk(env: Envelope, index: int, text: str | None, finish_reason: str | None
     return out
 
 
-def usage_chunk(env: Envelope, prompt_lengths: list[int], outputs: list) -> dict:
-    """The last chunk of a stream with stream_options.include_usage: no choices, the usage."""
-    return env.head(True) | {"choices": [], "usage": usage(prompt_lengths, outputs)}
+def usage_chunk(env: Envelope, prompt_lengths: list[int], outputs: list, timing: bool = False) -> dict:
+    """The last chunk of a stream with stream_options.include_usage: no choices, the usage.
+    timing (stream_options.pagedlab_timing): and per choice when its request reached the front end
+    and when its first token came back from the engine (seconds on the machine's monotonic clock,
+    time.perf_counter in Python on Linux): what `bench serve` splits a client's TTFT with."""
+    out = env.head(True) | {"choices": [], "usage": usage(prompt_lengths, outputs)}
+    if timing:
+        out["pagedlab_timing"] = [{"arrival": getattr(o, "arrival_t", None),
+                                   "first_token": getattr(o, "first_token_t", None)} for o in outputs]
+    return out
