@@ -2,9 +2,11 @@
 numbers that hold together, the Poisson arrivals, and one-line errors for bad flags."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import random
+import time
 
 import httpx
 import numpy as np
@@ -111,6 +113,31 @@ def test_a_burst_from_client_processes(server, tmp_path, capsys):
     # each client process's own CPU over its burst: one number per process, none negative
     assert len(one["client_cpu_s"]) == 1 and len(two["client_cpu_s"]) == 2
     assert min(one["client_cpu_s"] + two["client_cpu_s"]) >= 0
+    # and each one's stalls: its loop's longest lag and its collector's pauses, one dict per process
+    assert len(one["client_stalls"]) == 1 and len(two["client_stalls"]) == 2
+    for st in one["client_stalls"] + two["client_stalls"]:
+        assert st["max_lag_ms"] >= 0 and st["gc_ms"] >= 0 and st["gcs"] >= 0
+    assert "longest loop lag" in out
+
+
+def test_client_stalls_sees_a_blocked_loop_and_the_collector():
+    """A callback that blocks the loop for 60 ms and two collections during the watch: the longest
+    lag is at least the block (and not absurdly more), the collector's pauses are counted."""
+    import gc
+
+    async def main():
+        stalls = bench.ClientStalls()
+        stalls.start()
+        await asyncio.sleep(0.03)
+        time.sleep(0.06)                     # the loop stands still
+        await asyncio.sleep(0.03)
+        gc.collect()
+        gc.collect()
+        await asyncio.sleep(0.01)
+        return stalls.stop()
+    got = asyncio.run(main())
+    assert 55 <= got["max_lag_ms"] < 1000 and got["lags_over_20ms"] >= 1, got
+    assert got["gcs"] >= 2 and got["gc_ms"] >= got["gc_max_ms"] > 0, got
 
 
 @pytest.mark.parametrize("client,extra", [("raw", []), ("raw", ["--preconnect"]), ("raw", ["--no-stream"]),

@@ -458,18 +458,20 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
     how = dict(timeout_s=args.timeout_s, ignore_eos=args.ignore_eos, stream=stream,
                preconnect=args.preconnect, client=args.client, cpus=getattr(args, "client_cpu_list", None))
     if procs > 1:       # the engine's counters: read once the clients are up, just before they go,
-        results, duration, counters, after, start, cpus = await asyncio.to_thread(   # and once the last answer is in
+        results, duration, counters, after, start, cpus, stalls = await asyncio.to_thread(  # and once the last answer is in
             send_from_processes, url, model, jobs, times, how, procs, lambda: engine_counters(url))
     else:
         counters = engine_counters(url)
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
         client = await make_client(how, url, len(jobs))
         t0, start, cpu = time.perf_counter(), time.monotonic(), time.process_time()
-        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client)
-        duration, cpus = time.perf_counter() - t0, [time.process_time() - cpu]
+        watch = ClientStalls()
+        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client, watch)
+        duration, cpus, stalls = time.perf_counter() - t0, [time.process_time() - cpu], [watch.result]
         bar.close()
         after = engine_counters(url)
-    return (summarize(rate, results, duration, args) | {"client_procs": procs, "client_cpu_s": cpus}
+    return (summarize(rate, results, duration, args) | {"client_procs": procs, "client_cpu_s": cpus,
+                                                         "client_stalls": stalls}
             | engine_step(counters, after) | busy_window(counters, after, start, duration))
 
 
@@ -490,13 +492,21 @@ def busy_window(before: dict | None, after: dict | None, start: float, duration:
 
 
 def client_cpu_text(r: dict) -> str:
-    """The client processes' own CPU over the run: a client near its wall time is itself a bound."""
+    """The client processes' own CPU over the run: a client near its wall time is itself a bound;
+    and their stalls (ClientStalls): the longest loop lag, the garbage collector's pauses."""
     cpus = r.get("client_cpu_s")
     if not cpus:
         return ""
+    stalls = [x for x in r.get("client_stalls") or [] if x]
+    if stalls:
+        more = ("; the clients' longest loop lag " + ", ".join(f"{x['max_lag_ms']:.0f}" for x in stalls)
+                + " ms, their collector " + ", ".join(f"{x['gc_ms']:.0f} ({x['gcs']}, longest {x['gc_max_ms']:.0f})"
+                                                      for x in stalls) + " ms")
+    else:
+        more = ""
     return (f"; the {'clients' + chr(39) if len(cpus) > 1 else 'client' + chr(39) + 's'} CPU "
             f"{', '.join(f'{c:.2f}' for c in cpus)} s "
-            f"(of {r['duration_s']:.2f} s)")
+            f"(of {r['duration_s']:.2f} s)" + more)
 
 
 def busy_text(r: dict) -> str:
@@ -541,12 +551,52 @@ async def make_client(how: dict, url: str | None = None, connections: int = 0):
     return client, one
 
 
+class ClientStalls:
+    """Where a client process itself stood still during a run: its event loop's longest lag (a
+    task that asks to wake every 2 ms: how late it woke) and its garbage collector's pauses. A
+    client that stalls reads its streams late, and that lateness lands in the TTFTs it reports."""
+
+    def __init__(self):
+        import gc
+        self.gc, self.lags, self.pauses, self._t = gc, [], [], None
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.pauses.append(time.perf_counter() - self._t)
+            self._t = None
+
+    async def _watch(self):
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(0.002)
+            self.lags.append(time.perf_counter() - t - 0.002)
+
+    def start(self):
+        if os.environ.get("PAGEDLAB_BENCH_CLIENT_GC") == "freeze":   # (an experiment: docs/serving.md)
+            self.gc.collect()
+            self.gc.freeze()
+        self.gc.callbacks.append(self._on_gc)
+        self.task = asyncio.get_running_loop().create_task(self._watch())
+
+    def stop(self) -> dict:
+        self.task.cancel()
+        self.gc.callbacks.remove(self._on_gc)
+        lags = self.lags or [0.0]
+        return {"max_lag_ms": 1e3 * max(lags), "lags_over_20ms": sum(x > 0.02 for x in lags),
+                "gc_ms": 1e3 * sum(self.pauses), "gc_max_ms": 1e3 * max(self.pauses, default=0.0),
+                "gcs": len(self.pauses)}
+
+
 async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
-                   done=None, client=None) -> list[Result]:
+                   done=None, client=None, stalls: ClientStalls | None = None) -> list[Result]:
     """One client (one event loop, its own connections): each job sent at start + its arrival time
     (perf_counter clock), every stream read concurrently. client: make_client's (client, send),
     built before `start`; default: built here."""
     client, one = client or await make_client(how, url)
+    if stalls is not None:
+        stalls.start()
     try:
         tasks = []
         for job, at in zip(jobs, times):
@@ -559,6 +609,8 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
             tasks.append(task)
         return list(await asyncio.gather(*tasks))
     finally:                  # (httpx's client, once used -- --preconnect --, cannot be entered again)
+        if stalls is not None:
+            stalls.result = stalls.stop()
         await (getattr(client, "aclose", None) or client.close)()
 
 
@@ -590,8 +642,8 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
         go.set()
         got = {}
         for _ in workers:
-            i, res, end, cpu = _from_clients(results, workers)
-            got[i] = (res, end, cpu)
+            i, res, end, cpu, stall = _from_clients(results, workers)
+            got[i] = (res, end, cpu, stall)
         after = counters()
     finally:
         for w in workers:
@@ -602,8 +654,8 @@ def send_from_processes(url: str, model: str, jobs: list[Job], times, how: dict,
     for i, idx in enumerate(share):
         for j, r in zip(idx, got[i][0]):
             out[j] = r
-    return (out, max(end for _, end, _ in got.values()) - start_at.value, before, after, start_at.value,
-            [got[i][2] for i in range(procs)])
+    return (out, max(g[1] for g in got.values()) - start_at.value, before, after, start_at.value,
+            [got[i][2] for i in range(procs)], [got[i][3] for i in range(procs)])
 
 
 def _from_clients(q, workers):
@@ -630,11 +682,12 @@ def _client_process(i, url, model, jobs, times, how, ready, go, start_at, result
     if delay > 0:
         time.sleep(delay)
     start, cpu = time.perf_counter(), time.process_time()
+    stalls = ClientStalls()
     try:
-        res = loop.run_until_complete(send_all(url, model, jobs, times, how, start, client=client))
+        res = loop.run_until_complete(send_all(url, model, jobs, times, how, start, client=client, stalls=stalls))
     finally:
         loop.close()
-    results.put((i, res, time.monotonic(), time.process_time() - cpu))
+    results.put((i, res, time.monotonic(), time.process_time() - cpu, getattr(stalls, "result", None)))
 
 
 # -- results -------------------------------------------------------------------------------------
