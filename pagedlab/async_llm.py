@@ -64,6 +64,7 @@ from .core_mailbox import request_ids
 from .core_process import CoreInfo, CoreProcess, core_info
 from .engine import SEED_BITS, check_request
 from .llm import check_text
+from .loop_watch import LoopWatch
 from .output_processor import OutputProcessor, RequestState
 
 IDLE_WAIT_S = 0.05        # how long the engine thread sleeps on an empty queue when it has no work
@@ -302,6 +303,7 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self._output_s = 0.0                # time in _read: what the front end spends per step
+        self._loop_watch = None             # watch(): how long this front end's loop stood still
         self.on_core_death = None           # called once, on the loop, when a core dies
 
     # -- what the server reads -----------------------------------------------------------------
@@ -326,6 +328,8 @@ class AsyncLLM:
                     total[k] = total.get(k, 0) + v
         total["frontend_output_s"] = self._output_s
         total["frontend_cpu_s"] = time.process_time()     # this front-end process's CPU, all its threads
+        if self._loop_watch is not None:
+            total.update({"frontend_" + k: v for k, v in self._loop_watch.totals().items()})
         if "prefix_queries" in total:
             total["hit_rate"] = total["prefix_hits"] / total["prefix_queries"] if total["prefix_queries"] else 0.0
         return total
@@ -479,6 +483,8 @@ class AsyncLLM:
         one silent past silent_s is logged, past give_up_s given up on (the module's doc). The
         server runs this for its whole life."""
         self._attach(asyncio.get_running_loop())
+        if self._loop_watch is None:        # (its stalls and collections: /metrics pagedlab_frontend_stall_*)
+            self._loop_watch = LoopWatch().start()
         while not self._stopped:
             for k, core in enumerate(self.cores):
                 if core.dead is None and not core.is_alive() and not self._stopped:

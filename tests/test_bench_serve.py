@@ -2,11 +2,9 @@
 numbers that hold together, the Poisson arrivals, and one-line errors for bad flags."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import random
-import time
 
 import httpx
 import numpy as np
@@ -116,28 +114,8 @@ def test_a_burst_from_client_processes(server, tmp_path, capsys):
     # and each one's stalls: its loop's longest lag and its collector's pauses, one dict per process
     assert len(one["client_stalls"]) == 1 and len(two["client_stalls"]) == 2
     for st in one["client_stalls"] + two["client_stalls"]:
-        assert st["max_lag_ms"] >= 0 and st["gc_ms"] >= 0 and st["gcs"] >= 0
+        assert st["longest_stall_s"] >= 0 and st["gc_s"] >= 0 and st["gcs"] >= 0
     assert "longest loop lag" in out
-
-
-def test_client_stalls_sees_a_blocked_loop_and_the_collector():
-    """A callback that blocks the loop for 60 ms and two collections during the watch: the longest
-    lag is at least the block (and not absurdly more), the collector's pauses are counted."""
-    import gc
-
-    async def main():
-        stalls = bench.ClientStalls()
-        stalls.start()
-        await asyncio.sleep(0.03)
-        time.sleep(0.06)                     # the loop stands still
-        await asyncio.sleep(0.03)
-        gc.collect()
-        gc.collect()
-        await asyncio.sleep(0.01)
-        return stalls.stop()
-    got = asyncio.run(main())
-    assert 55 <= got["max_lag_ms"] < 1000 and got["lags_over_20ms"] >= 1, got
-    assert got["gcs"] >= 2 and got["gc_ms"] >= got["gc_max_ms"] > 0, got
 
 
 @pytest.mark.parametrize("client,extra", [("raw", []), ("raw", ["--preconnect"]), ("raw", ["--no-stream"]),
@@ -333,6 +311,11 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert sp["engine"]["p50"] > 0
     assert abs(sum(sp[k]["mean"] for k in sp) - r["ttft_ms"]["mean"]) < 0.01 * r["ttft_ms"]["mean"]
     assert set(r["ttft_split_slowest_ms"]) == set(sp) and "TTFT split (ms, p50 / p99" in out
+    # the front end's own stalls over the burst (loop_watch.py, through /metrics): counters, >= 0
+    st = r["frontend_stalls"]
+    assert set(st) == set(bench.FRONTEND_STALLS) and min(st.values()) >= 0, st
+    assert st["frontend_stall_seconds"] >= st["frontend_long_stall_seconds"]
+    assert "its loop stood still" in out and "frontend_stall" not in out.split("rate inf:")[1].split(";")[0]
 
 
 def test_ttft_by_wave_finds_where_the_served_time_is_lost():

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedlab.bench.common import git_commit, out_dir, write_json
+from pagedlab.loop_watch import LoopWatch
 
 DEFAULT_RATES = "1,2,4,8,16,inf"
 WORDS = ("time year people way day man thing woman life child world school state family student "
@@ -363,6 +365,9 @@ def ttft_split(done: list[Result]) -> dict:
 
 
 BUSY = ("core_busy_periods", "core_busy_start_time", "core_busy_end_time")
+# the front end's own stalls (pagedlab/loop_watch.py), counters read before and after a run
+FRONTEND_STALLS = ("frontend_stall_seconds", "frontend_long_stalls", "frontend_long_stall_seconds",
+                   "frontend_gc_seconds", "frontend_gcs", "frontend_long_gcs", "frontend_long_gc_seconds")
 
 
 def engine_counters(url: str) -> dict | None:
@@ -376,7 +381,7 @@ def engine_counters(url: str) -> dict | None:
     names = ("engine_steps", "engine_step_seconds", "engine_step_sequences", "engine_prompt_steps",
              "engine_prompt_step_seconds", *HOST_PHASES, *HOST_DECODE_PHASES, "core_idle_seconds",
              "core_inbox_seconds", "core_handout_seconds", "frontend_output_seconds", "frontend_cpu_seconds",
-             *BUSY)
+             *FRONTEND_STALLS, *BUSY)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name.startswith("pagedlab_") and name[9:] in names:
@@ -394,7 +399,9 @@ def engine_step(before: dict | None, after: dict | None) -> dict:
     out = {"engine_step_ms": 1e3 * d["engine_step_seconds"] / n,
            "engine_batch": d["engine_step_sequences"] / n,
            "seconds": {k: v for k, v in d.items() if k.endswith("seconds")
-                       and k not in HOST_PHASES + HOST_DECODE_PHASES}}
+                       and k not in HOST_PHASES + HOST_DECODE_PHASES + FRONTEND_STALLS}}
+    if "frontend_stall_seconds" in d:
+        out["frontend_stalls"] = {k: d[k] for k in FRONTEND_STALLS if k in d}
     kinds = step_kinds(n, d["engine_step_seconds"], d.get("engine_prompt_steps"), d.get("engine_prompt_step_seconds"))
     host = host_per_step(n, {k: d[f"engine_host_{k}_seconds"] for k in PHASES if f"engine_host_{k}_seconds" in d},
                          kinds.get("decode_steps"),
@@ -409,7 +416,14 @@ def frontend_cpu_text(r: dict) -> str:
     cpu = (r.get("seconds") or {}).get("frontend_cpu_seconds")
     if cpu is None or not r.get("completed"):
         return ""
-    return f"; the front end's CPU {cpu:.2f} s, {1e3 * cpu / r['completed']:.2f} ms per request"
+    text = f"; the front end's CPU {cpu:.2f} s, {1e3 * cpu / r['completed']:.2f} ms per request"
+    st = r.get("frontend_stalls")
+    if st:        # (pagedlab/loop_watch.py: how long its loop stood still, and its collector)
+        text += (f", its loop stood still {1e3 * st['frontend_stall_seconds']:.0f} ms in all, "
+                 f"{st['frontend_long_stalls']:.0f} stalls >= 50 ms ({1e3 * st['frontend_long_stall_seconds']:.0f} ms), "
+                 f"its collector {1e3 * st['frontend_gc_seconds']:.0f} ms in {st['frontend_gcs']:.0f} collections "
+                 f"({st['frontend_long_gcs']:.0f} >= 50 ms)")
+    return text
 
 
 def kinds_text(r: dict) -> str:
@@ -465,9 +479,9 @@ async def run_rate(url: str, model: str, jobs: list[Job], rate: float, args, pro
         bar = tqdm(total=len(jobs), desc=f"rate {rate:g} req/s", unit="req", disable=args.no_progress)
         client = await make_client(how, url, len(jobs))
         t0, start, cpu = time.perf_counter(), time.monotonic(), time.process_time()
-        watch = ClientStalls()
-        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client, watch)
-        duration, cpus, stalls = time.perf_counter() - t0, [time.process_time() - cpu], [watch.result]
+        stalls = [{}]
+        results = await send_all(url, model, jobs, times, how, t0, lambda: bar.update(1), client, stalls[0])
+        duration, cpus = time.perf_counter() - t0, [time.process_time() - cpu]
         bar.close()
         after = engine_counters(url)
     return (summarize(rate, results, duration, args) | {"client_procs": procs, "client_cpu_s": cpus,
@@ -493,15 +507,15 @@ def busy_window(before: dict | None, after: dict | None, start: float, duration:
 
 def client_cpu_text(r: dict) -> str:
     """The client processes' own CPU over the run: a client near its wall time is itself a bound;
-    and their stalls (ClientStalls): the longest loop lag, the garbage collector's pauses."""
+    and their own stalls (loop_watch.LoopWatch): the longest loop lag, the collector's pauses."""
     cpus = r.get("client_cpu_s")
     if not cpus:
         return ""
     stalls = [x for x in r.get("client_stalls") or [] if x]
     if stalls:
-        more = ("; the clients' longest loop lag " + ", ".join(f"{x['max_lag_ms']:.0f}" for x in stalls)
-                + " ms, their collector " + ", ".join(f"{x['gc_ms']:.0f} ({x['gcs']}, longest {x['gc_max_ms']:.0f})"
-                                                      for x in stalls) + " ms")
+        more = ("; the clients' longest loop lag " + ", ".join(f"{1e3 * x['longest_stall_s']:.0f}" for x in stalls)
+                + " ms, their collector " + ", ".join(f"{1e3 * x['gc_s']:.0f} ({x['gcs']}, longest "
+                                                      f"{1e3 * x['longest_gc_s']:.0f})" for x in stalls) + " ms")
     else:
         more = ""
     return (f"; the {'clients' + chr(39) if len(cpus) > 1 else 'client' + chr(39) + 's'} CPU "
@@ -551,52 +565,18 @@ async def make_client(how: dict, url: str | None = None, connections: int = 0):
     return client, one
 
 
-class ClientStalls:
-    """Where a client process itself stood still during a run: its event loop's longest lag (a
-    task that asks to wake every 2 ms: how late it woke) and its garbage collector's pauses. A
-    client that stalls reads its streams late, and that lateness lands in the TTFTs it reports."""
-
-    def __init__(self):
-        import gc
-        self.gc, self.lags, self.pauses, self._t = gc, [], [], None
-
-    def _on_gc(self, phase, info):
-        if phase == "start":
-            self._t = time.perf_counter()
-        elif self._t is not None:
-            self.pauses.append(time.perf_counter() - self._t)
-            self._t = None
-
-    async def _watch(self):
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.002)
-            self.lags.append(time.perf_counter() - t - 0.002)
-
-    def start(self):
-        if os.environ.get("PAGEDLAB_BENCH_CLIENT_GC") == "freeze":   # (an experiment: docs/serving.md)
-            self.gc.collect()
-            self.gc.freeze()
-        self.gc.callbacks.append(self._on_gc)
-        self.task = asyncio.get_running_loop().create_task(self._watch())
-
-    def stop(self) -> dict:
-        self.task.cancel()
-        self.gc.callbacks.remove(self._on_gc)
-        lags = self.lags or [0.0]
-        return {"max_lag_ms": 1e3 * max(lags), "lags_over_20ms": sum(x > 0.02 for x in lags),
-                "gc_ms": 1e3 * sum(self.pauses), "gc_max_ms": 1e3 * max(self.pauses, default=0.0),
-                "gcs": len(self.pauses)}
-
-
 async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, start: float,
-                   done=None, client=None, stalls: ClientStalls | None = None) -> list[Result]:
+                   done=None, client=None, stalls: dict | None = None) -> list[Result]:
     """One client (one event loop, its own connections): each job sent at start + its arrival time
     (perf_counter clock), every stream read concurrently. client: make_client's (client, send),
-    built before `start`; default: built here."""
+    built before `start`; default: built here. stalls: a dict that gets this client's own stalls
+    over the run (loop_watch.LoopWatch's totals: a client that stands still reads late)."""
     client, one = client or await make_client(how, url)
     if stalls is not None:
-        stalls.start()
+        if os.environ.get("PAGEDLAB_BENCH_CLIENT_GC") == "freeze":   # (an experiment: docs/serving.md, session 25)
+            gc.collect()
+            gc.freeze()
+        watch = LoopWatch(every_s=0.002).start()
     try:
         tasks = []
         for job, at in zip(jobs, times):
@@ -610,7 +590,7 @@ async def send_all(url: str, model: str, jobs: list[Job], times, how: dict, star
         return list(await asyncio.gather(*tasks))
     finally:                  # (httpx's client, once used -- --preconnect --, cannot be entered again)
         if stalls is not None:
-            stalls.result = stalls.stop()
+            stalls.update(watch.stop())
         await (getattr(client, "aclose", None) or client.close)()
 
 
@@ -682,12 +662,12 @@ def _client_process(i, url, model, jobs, times, how, ready, go, start_at, result
     if delay > 0:
         time.sleep(delay)
     start, cpu = time.perf_counter(), time.process_time()
-    stalls = ClientStalls()
+    stalls = {}
     try:
         res = loop.run_until_complete(send_all(url, model, jobs, times, how, start, client=client, stalls=stalls))
     finally:
         loop.close()
-    results.put((i, res, time.monotonic(), time.process_time() - cpu, getattr(stalls, "result", None)))
+    results.put((i, res, time.monotonic(), time.process_time() - cpu, stalls))
 
 
 # -- results -------------------------------------------------------------------------------------

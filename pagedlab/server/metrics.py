@@ -146,7 +146,18 @@ class ServerMetrics:
                 ("pagedlab_frontend_output_seconds", "frontend_output_s",
                  "seconds the front end spent on the cores' step outputs (detokenizing is the callers')"),
                 ("pagedlab_frontend_cpu_seconds", "frontend_cpu_s",
-                 "CPU seconds (user + system, all threads) of the front-end process that answered this scrape")):
+                 "CPU seconds (user + system, all threads) of the front-end process that answered this scrape"),
+                ("pagedlab_frontend_stall_seconds", "frontend_stall_s",
+                 "seconds this front end's event loop stood still (a task that asks to wake every 5 ms: how "
+                 "late it woke, summed; pagedlab/loop_watch.py)"),
+                ("pagedlab_frontend_long_stalls", "frontend_long_stalls", "of those stalls, the ones >= 50 ms"),
+                ("pagedlab_frontend_long_stall_seconds", "frontend_long_stall_s", "their seconds"),
+                ("pagedlab_frontend_longest_stall_seconds", "frontend_longest_stall_s",
+                 "the longest stall since the front end started"),
+                ("pagedlab_frontend_gc_seconds", "frontend_gc_s", "seconds this front end's garbage collector ran"),
+                ("pagedlab_frontend_gcs", "frontend_gcs", "its collections"),
+                ("pagedlab_frontend_long_gcs", "frontend_long_gcs", "of those, the ones >= 50 ms"),
+                ("pagedlab_frontend_long_gc_seconds", "frontend_long_gc_s", "their seconds")):
             Gauge(name, doc, registry=reg).set_function(lambda key=key: stats().get(key, 0))
         if "prefix_queries" in stats():          # only an allocator with a prefix cache has them
             for name, (attr, doc) in PREFIX_CACHE_GAUGES.items():
