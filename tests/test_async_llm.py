@@ -165,7 +165,7 @@ def test_stats_over_cores_sum_amounts_and_keep_moments():
     a = dict(steps=3, step_seconds=0.5, busy_periods=1, busy_start_t=100.0, busy_end_t=105.0, t=1.0)
     b = dict(steps=4, step_seconds=0.25, busy_periods=2, busy_start_t=101.0, busy_end_t=107.0, t=2.0)
     allm = AsyncLLM.__new__(AsyncLLM)
-    allm.cores, allm._stats, allm._output_s = [object(), object()], [a, b], 0.0
+    allm.cores, allm._stats, allm._output_s, allm._loop_watch = [object(), object()], [a, b], 0.0, None
     s = allm.stats()
     assert (s["steps"], s["step_seconds"], s["busy_periods"]) == (7, 0.75, 3)
     assert (s["busy_start_t"], s["busy_end_t"]) == (100.0, 107.0) and "t" not in s
