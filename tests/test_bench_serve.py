@@ -311,6 +311,10 @@ def test_serve_and_offline_in_one_command(tmp_path, capsys):
     assert sp["engine"]["p50"] > 0
     assert abs(sum(sp[k]["mean"] for k in sp) - r["ttft_ms"]["mean"]) < 0.01 * r["ttft_ms"]["mean"]
     assert set(r["ttft_split_slowest_ms"]) == set(sp) and "TTFT split (ms, p50 / p99" in out
+    each = r["ttft_split_each_ms"]                      # per request, in the jobs' order
+    assert len(each) == 6 and all(len(e) == 4 for e in each)
+    for e, ttft in zip(each, r["ttft_ms_each"]):
+        assert abs(sum(e[:3]) - ttft) < 0.01 and e[3] >= e[0] + e[1] - 0.01   # its token came after it arrived
     # the front end's own stalls over the burst (loop_watch.py, through /metrics): counters, >= 0
     st = r["frontend_stalls"]
     assert set(st) == set(bench.FRONTEND_STALLS) and min(st.values()) >= 0, st

@@ -342,26 +342,35 @@ def summarize(rate: float, results: list[Result], duration_s: float, args) -> di
         "goodput": len(good) / duration_s, "goodput_fraction": len(good) / len(results) if results else None,
         # each request's TTFT in the jobs' order (None: failed), for ttft_by_wave
         "ttft_ms_each": [round(r.ttft_s * 1e3, 3) if r.ok else None for r in results],
-    } | ttft_split(done)
+    } | ttft_split(results)
 
 
-def ttft_split(done: list[Result]) -> dict:
+def ttft_split(results: list[Result]) -> dict:
     """A client's TTFT in three parts, request by request, where the server said its moments
     (--server-timing): the way in (sent -> the request reached the front end: the client's write,
     the network, HTTP parsing), the engine (-> its first token came back to the front end: the
     queue, the prefill, the core's hand-out) and the way out (-> the client read it: the front
     end's event, the socket, the client's read). Percentiles of each, and each part's mean over the
     slowest 1 % of TTFTs (where a burst's p99 sits)."""
+    timed = [r.ok and math.isfinite(r.server_first_token_t) for r in results]
     rows = [(r.ttft_s, r.server_arrival_t - r.sent_t, r.server_first_token_t - r.server_arrival_t,
-             r.first_read_t - r.server_first_token_t) for r in done if math.isfinite(r.server_first_token_t)]
+             r.first_read_t - r.server_first_token_t) for r, ok in zip(results, timed) if ok]
     if not rows:
         return {}
+    t0 = min(r.sent_t for r, ok in zip(results, timed) if ok)
+    # per request, in the jobs' order: [way in, engine, way out, when the front end had its first
+    # token (from the first request sent)] in ms, None where the server said nothing: whether the
+    # slow ways out come together (one stall of the front end) or spread (a per-stream delay)
+    each = [[round(1e3 * x, 3) for x in (r.server_arrival_t - r.sent_t, r.server_first_token_t - r.server_arrival_t,
+                                        r.first_read_t - r.server_first_token_t, r.server_first_token_t - t0)]
+            if ok else None for r, ok in zip(results, timed)]
     rows.sort()
     tail = rows[-max(1, len(rows) // 100):]
     parts = ("way_in", "engine", "way_out")
     return {"ttft_split_ms": {p: pcts(row[k + 1] for row in rows) for k, p in enumerate(parts)},
             "ttft_split_slowest_ms": {p: 1e3 * statistics.fmean(row[k + 1] for row in tail)
-                                      for k, p in enumerate(parts)}}
+                                      for k, p in enumerate(parts)},
+            "ttft_split_each_ms": each}
 
 
 BUSY = ("core_busy_periods", "core_busy_start_time", "core_busy_end_time")
