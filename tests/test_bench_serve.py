@@ -242,6 +242,11 @@ def test_a_stream_that_ends_after_its_finish_reason_counts(done_line, ok):
     assert r.ok == ok and r.error is None and r.output_tokens == 3 and len(r.itl_s) == 2
     cut = asyncio.run(run(texts[:2], False))             # closed mid-answer: a failure, and said so
     assert not cut.ok and "[DONE]" in cut.error
+    # a token whose text is held back comes as text "": it is the first token (TTFT) and a token
+    # of the ITLs; the finish chunk's "" is not a token
+    held = [{"choices": [{"index": 0, "text": ""}]}] + texts
+    r = asyncio.run(run(held + [final], done_line))
+    assert r.ok and r.output_tokens == 4 and len(r.itl_s) == 3
 
 
 def test_serve_and_offline_in_one_command(tmp_path, capsys):

@@ -157,6 +157,22 @@ def test_openai_client_stream_joins_to_whole(server, reference):
     wait_idle(server)
 
 
+def test_tokens_whose_text_is_held_back_still_make_events(server, reference):
+    """A stop string 14 characters long holds back the text that could begin it (each token's text
+    here, "<id>", is 4-6 characters): the stream's first chunk comes with the first token, text ""
+    (as vLLM sends such tokens), every step's token makes a chunk, and the chunks join to the whole
+    text (the stop string never met)."""
+    c = client(server)
+    rng = torch.Generator().manual_seed(3)
+    prompt = random_prompts(rng, 1, 5, 30)[0]
+    want = reference.generate(prompt, SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, stream=True,
+                                       stop=["#" * 14], extra_body={"ignore_eos": True}))
+    texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].finish_reason is None]
+    assert texts[0] == "" and len(texts) >= 3, texts
+    assert ids_of("".join(ch.choices[0].text for ch in chunks if ch.choices)) == want.token_ids
+
+
 def test_raw_sse_format(server):
     """The bytes on the wire: `data: {json}` events separated by blank lines, then `data: [DONE]`."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,

@@ -183,7 +183,7 @@ def request_body(model: str, job: Job, ignore_eos: bool, stream: bool | str) -> 
 
 
 async def read_stream(lines, r: Result, t0: float) -> None:
-    """Fill `r` from the lines (str) of a server-sent event stream, timing each chunk of text."""
+    """Fill `r` from the lines (str) of a server-sent event stream, timing each token's chunk."""
     chunks, finished, last = 0, False, t0
     r.sent_t = t0
     async for line in lines:
@@ -207,7 +207,10 @@ async def read_stream(lines, r: Result, t0: float) -> None:
         for choice in obj.get("choices") or []:
             if choice.get("finish_reason"):
                 finished = True
-            if choice.get("text"):
+            text = choice.get("text")
+            # a token's chunk: text, or text "" that is not the finish (a token whose text is held
+            # back -- half a character, a possible stop string: pagedlab and vLLM send it so)
+            if text or (text == "" and not choice.get("finish_reason")):
                 now = time.perf_counter()
                 if chunks == 0:
                     r.ttft_s, r.first_read_t = now - t0, now

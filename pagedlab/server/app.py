@@ -408,7 +408,11 @@ async def events(req: ParsedRequest, env: Envelope, streams, prompt_lengths, log
                 lp = logprobs_of(_Piece(new_logprobs), offsets[i])
                 yield sse(chunk(env, i, delta.text, logprobs=lp, include_usage=usage))
                 offsets[i] += len(delta.text)
-            elif delta.text:                  # (the common event: a template, the text encoded alone)
+            elif delta.text or (delta.token_ids and not delta.finished):
+                # (the common event: a template, the text encoded alone.) New tokens whose text is
+                # held back -- half a character, a possible stop string -- still make an event, with
+                # text "" (as vLLM sends them): a client sees each step's tokens arrive, and the
+                # first event is the first token, whatever its text.
                 yield env.text_event(i, delta.text, usage)
                 offsets[i] += len(delta.text)
             if delta.finished:
