@@ -483,8 +483,14 @@ class AsyncLLM:
         one silent past silent_s is logged, past give_up_s given up on (the module's doc). The
         server runs this for its whole life."""
         self._attach(asyncio.get_running_loop())
-        if self._loop_watch is None:        # (its stalls and collections: /metrics pagedlab_frontend_stall_*)
-            self._loop_watch = LoopWatch().start()
+        # this front end's own stalls and collections (/metrics pagedlab_frontend_stall_*), while it watches
+        self._loop_watch = (self._loop_watch or LoopWatch()).start()
+        try:
+            await self._watch_cores(every_s)
+        finally:
+            self._loop_watch.stop()
+
+    async def _watch_cores(self, every_s: float) -> None:
         while not self._stopped:
             for k, core in enumerate(self.cores):
                 if core.dead is None and not core.is_alive() and not self._stopped:

@@ -52,9 +52,11 @@ class LoopWatch:
                 self.long_stall_s += late
 
     def start(self) -> "LoopWatch":
-        """Watch the running loop (and every collection of this process) from now on."""
-        gc.callbacks.append(self._on_gc)
-        self._task = asyncio.get_running_loop().create_task(self._watch())
+        """Watch the running loop (and every collection of this process) from now on, until stop()
+        (again after a stop: the totals go on adding up)."""
+        if self._task is None:
+            gc.callbacks.append(self._on_gc)
+            self._task = asyncio.get_running_loop().create_task(self._watch())
         return self
 
     def stop(self) -> dict:

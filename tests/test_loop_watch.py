@@ -51,6 +51,7 @@ def test_the_front_end_reports_its_own_stalls_in_metrics():
     >= 50 ms and at least 0.19 s more of them; the server answers on."""
     from pagedlab.server import serve
     from test_engine_core import MODEL, llm_kwargs
+    callbacks = list(gc.callbacks)
     s = serve(MODEL, model_name="tiny", port=0, **llm_kwargs())
     try:
         r = httpx.post(s.url + "/v1/completions", timeout=60,
@@ -69,3 +70,4 @@ def test_the_front_end_reports_its_own_stalls_in_metrics():
         assert r.status_code == 200
     finally:
         s.stop()
+    assert gc.callbacks == callbacks          # the stopped server's watch took its callback back
