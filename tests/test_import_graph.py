@@ -19,7 +19,7 @@ PKG = Path(__file__).resolve().parents[1] / "pagedlab"
 # room -> its modules (names relative to pagedlab; "kernels.*" is every module under kernels/)
 ROOMS = [
     ("base", ["version", "validation", "config", "spec.config", "interrupts", "cpu_threads", "conversation", "reference", "tokenizer",
-              "weights"]),
+              "weights", "loop_watch"]),
     ("kernels", ["kernels", "kernels.*", "quantization"]),
     ("model/attention", ["attention", "model", "sampling", "parallel", "parallel.shard"]),
     ("kv/blocks/scheduler", ["kv_cache", "prefix_cache", "plugged_allocator", "request", "scheduler", "trace",
