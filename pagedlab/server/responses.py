@@ -153,6 +153,5 @@ def usage_chunk(env: Envelope, prompt_lengths: list[int], outputs: list, timing:
     time.perf_counter in Python on Linux): what `bench serve` splits a client's TTFT with."""
     out = env.head(True) | {"choices": [], "usage": usage(prompt_lengths, outputs)}
     if timing:
-        out["pagedlab_timing"] = [{"arrival": getattr(o, "arrival_t", None),
-                                   "first_token": getattr(o, "first_token_t", None)} for o in outputs]
+        out["pagedlab_timing"] = [{"arrival": o.arrival_t, "first_token": o.first_token_t} for o in outputs]
     return out
