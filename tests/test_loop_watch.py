@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from pagedlab.loop_watch import LONG_S, LoopWatch
+from pagedlab.loop_watch import LoopWatch
 
 
 def test_a_blocked_loop_and_forced_collections_are_seen_and_nothing_is_left_behind():
@@ -33,12 +33,16 @@ def test_a_blocked_loop_and_forced_collections_are_seen_and_nothing_is_left_behi
 
 
 def test_an_idle_loop_barely_stalls():
+    """0.3 s of an idle loop: its waker's own sleeps are not lateness (a watch that counted them
+    would say ~0.3 s). A busy machine may take the CPU away for a moment -- a real stall, and
+    reported -- so the check is on the total, not on zero long stalls."""
     async def main():
         w = LoopWatch(every_s=0.005).start()
+        t = time.perf_counter()
         await asyncio.sleep(0.3)
-        return w.stop()
-    got = asyncio.run(main())
-    assert got["long_stalls"] == 0 and got["longest_stall_s"] < LONG_S, got
+        return w.stop(), time.perf_counter() - t
+    got, elapsed = asyncio.run(main())
+    assert got["stall_s"] < elapsed / 3 and got["stall_s"] >= got["long_stall_s"], (got, elapsed)
 
 
 def metric(url: str, name: str) -> float:
