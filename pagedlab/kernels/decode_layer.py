@@ -1,0 +1,337 @@
+"""One decoder layer at one decode token in ONE launch: a persistent kernel with a tile queue.
+
+At batch 1 a layer is five launches today (norm + QKV + RoPE + KV store, decode attention, O +
+residual, norm + gate/up + SwiGLU, down + residual; gemv.py, decode_attention.py) and each costs a
+few microseconds over the bytes it reads: a ramp, a drain, a boundary (docs/kernels.md, "where a
+batch-1 step goes"). Here one launch of about as many programs as the GPU has SMs does the whole
+layer. The layer is cut into tiles, in an order where every tile depends only on tiles before it:
+
+    QKV rows (by KV-head group)  ->  attention (group x split)  ->  O rows  ->  gate/up rows  ->  down rows
+
+A program takes the next tile from one atomic counter (the queue), loads the first slice of its
+WEIGHTS -- which depend on nothing -- and only then waits for the tiles it reads from: a counter per
+phase (per group for attention) that each finished tile bumps. So while the attention of group 0
+runs, other programs already stream the O projection's weights; no SM idles at a launch boundary.
+Because tiles are handed out in order, a tile waits only on tiles taken earlier by programs that
+are running: no deadlock, however many programs are resident -- and the CPU interpreter, which
+runs the programs one after another, never waits at all (the first program does every tile).
+
+The last program to leave resets the counters, so the next launch (the next layer) starts clean.
+Partial results live in fp32 scratch; the values the five-launch path rounds to the model's dtype
+(normed inputs, q/k/v after RoPE, the attention output, the residual stream, the SwiGLU input) are
+rounded the same way here. Batch 1, decode only, dtype weights (not FP8); shapes as Llama's:
+head_dim, the group size, tiles and splits powers of two (check_shapes says what does not fit).
+
+Status (session 26, 2026-12-03): correct on the CPU interpreter against the five-launch
+composition and a float64 reference (tests/test_decode_layer.py); NOT yet measured on a GPU --
+`python -m pagedlab bench decode-layer` times it against the five launches in a CUDA graph. The
+engine does not use it yet.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import decode_attention_torch
+from .gemv import linear_residual_torch, norm_qkv_rope_store_torch, norm_swiglu_torch
+
+# Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
+# step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
+# PROGRAMS (0: one per SM). Untuned: the bench sweeps them.
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 4, "BLOCK_N": 64, "PROGRAMS": 0, "num_warps": 4}
+
+# counters (int32): the queue, programs that left, attention tiles done, O tiles done, gate/up
+# tiles done, then one per KV-head group: its QKV tiles done
+N_PHASE_COUNTERS = 5
+N_COUNTERS = 16                     # so at most 11 KV-head groups
+_QUEUE, _LEFT, _ATTN, _O, _GU, _GROUP = (tl.constexpr(i) for i in range(6))
+
+
+def decode_layer_torch(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                       block_table, seq_lens, scale, num_heads):
+    """The five-launch composition with the torch references: h [1, H] -> the layer's output
+    [1, H] (and this token's K/V written into the caches). The CPU path and the kernel's check."""
+    q = norm_qkv_rope_store_torch(h, layer["attn_norm"], eps, layer["qkv"], positions, cos_sin,
+                                  k_cache, v_cache, slot_mapping, num_heads)
+    o = decode_attention_torch(q, k_cache, v_cache, block_table, seq_lens, scale)
+    h = linear_residual_torch(o.reshape(h.shape[0], -1), layer["o"], h)
+    a = norm_swiglu_torch(h, layer["mlp_norm"], eps, layer["gate_up"])
+    return linear_residual_torch(a, layer["down"], h)
+
+
+@triton.jit
+def _wait(cnt_ptr, target):
+    """Spin until the counter reaches target (acquire: what the tiles wrote before their release
+    is visible; read it through L2, .cg, never a stale L1 line)."""
+    while tl.atomic_add(cnt_ptr, 0, sem="acquire") < target:
+        pass
+
+
+@triton.jit
+def _arrive(cnt_ptr):
+    tl.debug_barrier()                      # every thread's stores issued before the release
+    tl.atomic_add(cnt_ptr, 1, sem="release")
+
+
+@triton.jit
+def _rstd(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps, CG: tl.constexpr):
+    ss = tl.zeros([BK], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        if CG:
+            x = tl.load(x_ptr + k0 + tl.arange(0, BK), cache_modifier=".cg")
+        else:
+            x = tl.load(x_ptr + k0 + tl.arange(0, BK)).to(tl.float32)
+        ss += x * x
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+
+
+@triton.jit
+def _rope(x_ptr, rows, d, cos, sin, HD: tl.constexpr):
+    """Rows [n] of head vectors at x_ptr (fp32, .cg) rotated: x*cos + rotate_half(x)*sin."""
+    HALF: tl.constexpr = HD // 2
+    x = tl.load(x_ptr + rows[:, None] * HD + d[None, :], cache_modifier=".cg")
+    xp = tl.load(x_ptr + rows[:, None] * HD + ((d + HALF) % HD)[None, :], cache_modifier=".cg")
+    sign = tl.where(d < HALF, -1.0, 1.0)
+    return x * cos[None, :] + sign[None, :] * xp * sin[None, :]
+
+
+@triton.jit
+def _decode_layer_kernel(
+        h_ptr, out_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wgu_ptr, wdown_ptr,
+        pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, bt_ptr, seq_ptr,
+        qkv_ptr, part_ptr, ml_ptr, mid_ptr, act_ptr, cnt_ptr,
+        eps, scale, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
+        H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+        PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
+    DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
+    GQA: tl.constexpr = NQ // NKV
+    QD: tl.constexpr = NQ * HD
+    HALF: tl.constexpr = HD // 2
+    TPH: tl.constexpr = HD // R                       # QKV tiles a head
+    G_T: tl.constexpr = (GQA + 2) * TPH               # QKV tiles a group (its q heads, k, v)
+    N_QKV: tl.constexpr = NKV * G_T
+    N_ATT: tl.constexpr = NKV * S
+    N_O: tl.constexpr = H // R
+    RG: tl.constexpr = R // 2
+    N_GU: tl.constexpr = INTER // RG
+    N_DN: tl.constexpr = H // R
+    E_ATT: tl.constexpr = N_QKV + N_ATT
+    E_O: tl.constexpr = E_ATT + N_O
+    E_GU: tl.constexpr = E_O + N_GU
+    TOTAL: tl.constexpr = E_GU + N_DN
+    r = tl.arange(0, R)
+    kk = tl.arange(0, BK)
+    d = tl.arange(0, HD)
+
+    t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
+    while t < TOTAL:
+        if t < N_QKV:
+            # ---- QKV rows of one head, group by group: y = W (rmsnorm(h) * w_norm), fp32 scratch
+            g = t // G_T
+            w = t % G_T
+            row0 = tl.where(w < GQA * TPH, g * GQA * HD + w * R,
+                            tl.where(w < (GQA + 1) * TPH, QD + g * HD + (w - GQA * TPH) * R,
+                                     QD + NKV * HD + g * HD + (w - (GQA + 1) * TPH) * R))
+            rows = row0 + r
+            rstd = _rstd(h_ptr, H, BK, eps, False)
+            acc = tl.zeros([R, BK], dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                wt = tl.load(wqkv_ptr + rows[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                x = tl.load(h_ptr + k0 + kk).to(tl.float32)
+                xn = (x * rstd * tl.load(attn_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
+                acc += wt * xn[None, :]
+            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)
+            tl.store(qkv_ptr + rows, y)
+            _arrive(cnt_ptr + _GROUP + g)
+        elif t < E_ATT:
+            # ---- attention of one KV-head group over one split of the context (flash-decoding);
+            # the split holding the newest position also rotates + stores this token's K and V
+            a = t - N_QKV
+            g = a // S
+            s = a % S
+            _wait(cnt_ptr + _GROUP + g, G_T)
+            pos = tl.load(pos_ptr)
+            seq = tl.load(seq_ptr)
+            cos = tl.load(cs_ptr + pos * HD + d % HALF)
+            sin = tl.load(cs_ptr + pos * HD + HALF + d % HALF)
+            j = tl.arange(0, GQA)
+            q = _rope(qkv_ptr, g * GQA + j, d, cos, sin, HD).to(DT).to(tl.float32)       # [GQA, HD]
+            chunk = (seq + S - 1) // S
+            start = s * chunk
+            end = tl.minimum(start + chunk, seq)
+            last = seq - 1                                                   # this token's position
+            m = tl.full([GQA], -1.0e30, dtype=tl.float32)
+            l = tl.zeros([GQA], dtype=tl.float32)
+            acc = tl.zeros([GQA, HD], dtype=tl.float32)
+            for n0 in range(start, tl.minimum(end, last), BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                valid = n < tl.minimum(end, last)
+                page = tl.load(bt_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
+                kt = tl.load(kc_ptr + page[:, None] * stride_cb + (n % PAGE)[:, None] * stride_cs
+                             + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                vt = tl.load(vc_ptr + page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs
+                             + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale                  # [GQA, N]
+                sc = tl.where(valid[None, :], sc, -1.0e30)
+                m_new = tl.maximum(m, tl.max(sc, axis=1))
+                p = tl.exp(sc - m_new[:, None])
+                p = tl.where(valid[None, :], p, 0.0)
+                alpha = tl.exp(m - m_new)
+                l = l * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
+                m = m_new
+            if (start <= last) & (last < end):
+                CDT = kc_ptr.dtype.element_ty
+                k_new = _rope(qkv_ptr + QD, g + tl.zeros([1], dtype=tl.int32), d, cos, sin, HD)  # [1, HD]
+                k_new = k_new.to(CDT)
+                v_new = tl.load(qkv_ptr + QD + NKV * HD + g * HD + d, cache_modifier=".cg").to(CDT)
+                slot = tl.load(slot_ptr).to(tl.int64)
+                tl.store(kc_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + g * stride_ch
+                         + d[None, :], k_new)
+                tl.store(vc_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d,
+                         v_new)
+                kf = k_new.to(tl.float32)                                                     # [1, HD]
+                sc = tl.sum(q * kf, axis=1) * scale                                           # [GQA]
+                m_new = tl.maximum(m, sc)
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(sc - m_new)
+                l = l * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+                m = m_new
+            hrow = g * GQA + j
+            tl.store(part_ptr + (hrow[:, None] * S + s) * HD + d[None, :], acc)
+            tl.store(ml_ptr + (hrow * S + s) * 2, m)
+            tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l)
+            _arrive(cnt_ptr + _ATTN)
+        elif t < E_O:
+            # ---- O rows: its first weights before the wait; the splits merged head by head in
+            # the loop; + the residual
+            rows = (t - E_ATT) * R + r
+            w0 = tl.load(wo_ptr + rows[:, None] * QD + d[None, :]).to(tl.float32)
+            _wait(cnt_ptr + _ATTN, N_ATT)
+            sp = tl.arange(0, S)
+            acc = tl.zeros([R, HD], dtype=tl.float32)
+            for hq in range(0, NQ):
+                if hq == 0:
+                    wt = w0
+                else:
+                    wt = tl.load(wo_ptr + rows[:, None] * QD + hq * HD + d[None, :]).to(tl.float32)
+                ms = tl.load(ml_ptr + (hq * S + sp) * 2, cache_modifier=".cg")
+                ls = tl.load(ml_ptr + (hq * S + sp) * 2 + 1, cache_modifier=".cg")
+                mx = tl.max(ms, axis=0)
+                f = tl.exp(ms - mx)
+                parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
+                o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
+                acc += wt * o[None, :]
+            y = (tl.sum(acc, axis=1) + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
+            tl.store(mid_ptr + rows, y)
+            _arrive(cnt_ptr + _O)
+        elif t < E_GU:
+            # ---- R/2 gate rows and their R/2 up rows: silu(gate) * up of rmsnorm(mid)
+            rg = (t - E_O) * RG + tl.arange(0, RG)
+            wg0 = tl.load(wgu_ptr + rg[:, None] * H + kk[None, :]).to(tl.float32)
+            wu0 = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + kk[None, :]).to(tl.float32)
+            _wait(cnt_ptr + _O, N_O)
+            rstd = _rstd(mid_ptr, H, BK, eps, True)
+            accg = tl.zeros([RG, BK], dtype=tl.float32)
+            accu = tl.zeros([RG, BK], dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                if k0 == 0:
+                    wg = wg0
+                    wu = wu0
+                else:
+                    wg = tl.load(wgu_ptr + rg[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                    wu = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                x = tl.load(mid_ptr + k0 + kk, cache_modifier=".cg")
+                xn = (x * rstd * tl.load(mlp_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
+                accg += wg * xn[None, :]
+                accu += wu * xn[None, :]
+            gt = tl.sum(accg, axis=1).to(DT).to(tl.float32)
+            up = tl.sum(accu, axis=1).to(DT).to(tl.float32)
+            act = (gt / (1.0 + tl.exp(-gt)) * up).to(DT).to(tl.float32)
+            tl.store(act_ptr + rg, act)
+            _arrive(cnt_ptr + _GU)
+        else:
+            # ---- down rows + the residual: the layer's output
+            rows = (t - E_GU) * R + r
+            w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kk[None, :]).to(tl.float32)
+            _wait(cnt_ptr + _GU, N_GU)
+            acc = tl.zeros([R, BK], dtype=tl.float32)
+            for k0 in range(0, INTER, BK):
+                if k0 == 0:
+                    wt = w0
+                else:
+                    wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
+                acc += wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :]
+            y = tl.sum(acc, axis=1) + tl.load(mid_ptr + rows, cache_modifier=".cg")
+            tl.store(out_ptr + rows, y.to(DT))
+        t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
+    # the last program out resets every counter for the next launch
+    left = tl.atomic_add(cnt_ptr + _LEFT, 1, sem="acq_rel")
+    if left == tl.num_programs(0) - 1:
+        c = tl.arange(0, 16)
+        tl.store(cnt_ptr + c, tl.zeros([16], dtype=tl.int32))
+
+
+def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> str | None:
+    """Why this kernel cannot run this layer (None: it can)."""
+    def p2(n):
+        return n > 0 and n & (n - 1) == 0
+    H, nkv, hd = h.shape[-1], k_cache.shape[2], k_cache.shape[3]
+    inter = layer["down"].shape[1] if torch.is_tensor(layer["down"]) else None
+    R, BK, S, BN = config["R"], config["BK"], config["S"], config["BLOCK_N"]
+    if h.shape[0] != 1:
+        return f"one decode token only (got {h.shape[0]} rows)"
+    if inter is None or not all(torch.is_tensor(layer[k]) for k in ("qkv", "o", "gate_up", "down")):
+        return "dtype weights only (FP8 not yet)"
+    if num_heads % nkv or nkv + N_PHASE_COUNTERS > N_COUNTERS:
+        return (f"{num_heads} query heads over {nkv} KV heads: a whole group each, "
+                f"at most {N_COUNTERS - N_PHASE_COUNTERS} groups")
+    if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN)) or R < 2:
+        return "head_dim, the group size, R, BK, S and BLOCK_N must be powers of two (R >= 2)"
+    if hd % R or H % R or H % BK or inter % BK or inter % (R // 2):
+        return f"hidden {H}, intermediate {inter} and head_dim {hd} must be multiples of R={R} (and BK={BK})"
+    return None
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(device, H, inter, nq, nkv, hd, S):
+    key = (str(device), H, inter, nq, nkv, hd, S)
+    if key not in _SCRATCH:
+        f = dict(device=device, dtype=torch.float32)
+        _SCRATCH[key] = dict(qkv=torch.zeros((nq + 2 * nkv) * hd, **f), part=torch.zeros(nq * S * hd, **f),
+                             ml=torch.zeros(nq * S * 2, **f), mid=torch.zeros(H, **f),
+                             act=torch.zeros(inter, **f),
+                             cnt=torch.zeros(N_COUNTERS, device=device, dtype=torch.int32))
+    return _SCRATCH[key]
+
+
+def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                        block_table, seq_lens, scale, num_heads, config=DECODE_LAYER_CONFIG, out=None):
+    """The layer in one launch (see the module's text). Same arguments and result as
+    decode_layer_torch; raises ValueError naming what does not fit (check_shapes)."""
+    why = check_shapes(h, layer, k_cache, num_heads, config)
+    if why:
+        raise ValueError(f"decode_layer: {why}")
+    H, nkv, hd, page = h.shape[-1], k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    inter = layer["down"].shape[1]
+    S = config["S"]
+    sc = _scratch(h.device, H, inter, num_heads, nkv, hd, S)
+    out = torch.empty_like(h) if out is None else out
+    programs = config["PROGRAMS"] or (torch.cuda.get_device_properties(h.device).multi_processor_count
+                                      if h.device.type == "cuda" else 4)
+    for t in (h, layer["qkv"], layer["o"], layer["gate_up"], layer["down"]):
+        assert t.is_contiguous()
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    _decode_layer_kernel[(programs,)](
+        h, out, layer["attn_norm"], layer["qkv"], layer["o"], layer["mlp_norm"], layer["gate_up"],
+        layer["down"], positions, cos_sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+        sc["qkv"], sc["part"], sc["ml"], sc["mid"], sc["act"], sc["cnt"],
+        eps, scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
+        S=S, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+    return out

@@ -1,0 +1,117 @@
+"""One decoder layer in one persistent launch (pagedlab/kernels/decode_layer.py) against the five
+launches' torch composition and a float64 reference. CPU: the interpreter in fp32/fp16 at small
+irregular sizes (hidden 96, intermediate 160, 4 query heads over 2 KV heads of 16, pages of 4
+scattered over the pool, contexts 1 to 41 -- splits empty, partial and full); GPU: bf16 at
+Llama-3.2-1B's layer."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pagedlab.kernels import decode_layer as dl  # noqa: E402
+from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
+
+GPU = torch.cuda.is_available()
+DEV = "cuda" if GPU else "cpu"
+DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
+# (hidden, intermediate, Hq, Hkv, D, page)
+SHAPE = (2048, 8192, 32, 8, 64, 16) if GPU else (96, 160, 4, 2, 16, 4)
+CONFIG = dl.DECODE_LAYER_CONFIG if GPU else dict(dl.DECODE_LAYER_CONFIG, R=8, BK=32, S=4, BLOCK_N=8, PROGRAMS=3)
+CONTEXTS = [1, 258, 1900] if GPU else [1, 2, 7, 23, 41]
+EPS = 1e-5
+
+
+def make_layer(dtype, seed):
+    H, inter, hq, hkv, d, _ = SHAPE
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+    return dict(attn_norm=1 + rnd(H, scale=0.1), qkv=rnd((hq + 2 * hkv) * d, H, scale=H ** -0.5),
+                o=rnd(H, hq * d, scale=(hq * d) ** -0.5), mlp_norm=1 + rnd(H, scale=0.1),
+                gate_up=rnd(2 * inter, H, scale=H ** -0.5), down=rnd(H, inter, scale=inter ** -0.5))
+
+
+def make_case(dtype, context, seed):
+    """A sequence of `context` tokens (the last is this step's): its pages scattered over a pool,
+    the earlier tokens' K/V random in the cache, the newest slot holding garbage."""
+    H, inter, hq, hkv, d, page = SHAPE
+    g = torch.Generator().manual_seed(seed + 1)
+    pages = -(-context // page)
+    pool = pages * 2 + 3
+    table = torch.randperm(pool, generator=g)[:pages].to(torch.int32)
+    k_cache = torch.randn(pool, page, hkv, d, generator=g).to(DEV, dtype)
+    v_cache = torch.randn(pool, page, hkv, d, generator=g).to(DEV, dtype)
+    pos = context - 1
+    slot = int(table[pos // page]) * page + pos % page
+    h = torch.randn(1, H, generator=g).to(DEV, dtype)
+    return dict(h=h, positions=torch.tensor([pos], device=DEV), k_cache=k_cache, v_cache=v_cache,
+                slot_mapping=torch.tensor([slot], device=DEV, dtype=torch.int64),
+                block_table=table[None].to(DEV), seq_lens=torch.tensor([context], device=DEV, dtype=torch.int32))
+
+
+def run(fn, layer, case, cos_sin, **kw):
+    c = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in case.items()}
+    out = fn(c["h"], layer, EPS, c["positions"], cos_sin, c["k_cache"], c["v_cache"], c["slot_mapping"],
+             c["block_table"], c["seq_lens"], SHAPE[4] ** -0.5, SHAPE[2], **kw)
+    return out, c["k_cache"], c["v_cache"]
+
+
+def f64(x):
+    return {k: v.double() for k, v in x.items()} if isinstance(x, dict) else x.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_one_launch_equals_the_five(dtype, context):
+    layer = make_layer(dtype, seed=context)
+    case = make_case(dtype, context, seed=context)
+    cos_sin = rope_cos_sin(SHAPE[4], 500000.0, max(CONTEXTS) + 1, device=DEV)
+    got, kc, vc = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
+    same, kc_ref, vc_ref = run(dl.decode_layer_torch, layer, case, cos_sin)
+    exact, kc64, vc64 = run(dl.decode_layer_torch, f64(layer),
+                            {k: (f64(v) if torch.is_tensor(v) and v.is_floating_point() else v)
+                             for k, v in case.items()}, cos_sin)
+    err = (got.double() - exact).abs().max().item()
+    err_same = (same.double() - exact).abs().max().item()
+    scale = exact.abs().max().item()
+    # as close to the float64 layer as the five launches are (their roundings are the same ones),
+    # and never worse than a few ulps of the dtype on the output's scale
+    ulp = torch.finfo(dtype).eps * scale
+    assert err <= 2 * err_same + 8 * ulp, (err, err_same, ulp)
+    # this token's K and V in the cache: the five launches' (rounded the same), nothing else touched
+    slot = int(case["slot_mapping"])
+    others = torch.ones(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEV)
+    others[slot] = False
+    for mine, ref, before in ((kc, kc_ref, case["k_cache"]), (vc, vc_ref, case["v_cache"])):
+        flat, flat_ref = mine.flatten(0, 1), ref.flatten(0, 1)
+        tol = 4 * torch.finfo(dtype).eps
+        assert torch.allclose(flat[slot].double(), flat_ref[slot].double(), atol=4 * tol, rtol=tol)
+        assert torch.equal(flat[others], before.flatten(0, 1)[others])
+
+
+def test_counters_reset_and_a_second_launch_gives_the_same_layer():
+    dtype = DTYPES[0]
+    layer = make_layer(dtype, seed=5)
+    case = make_case(dtype, CONTEXTS[-1], seed=5)
+    cos_sin = rope_cos_sin(SHAPE[4], 500000.0, max(CONTEXTS) + 1, device=DEV)
+    a, kc_a, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
+    sc = next(v for k, v in dl._SCRATCH.items() if k[1] == SHAPE[0])
+    assert int(sc["cnt"].abs().sum()) == 0            # the last program out left them at zero
+    b, kc_b, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
+    assert torch.equal(a, b) and torch.equal(kc_a, kc_b)
+
+
+def test_what_does_not_fit_is_named():
+    dtype = DTYPES[0]
+    layer = make_layer(dtype, seed=1)
+    case = make_case(dtype, 3, seed=1)
+    cos_sin = rope_cos_sin(SHAPE[4], 500000.0, 8, device=DEV)
+    two = dict(case, h=case["h"].repeat(2, 1))
+    with pytest.raises(ValueError, match="one decode token"):
+        run(dl.decode_layer_triton, layer, two, cos_sin, config=CONFIG)
+    with pytest.raises(ValueError, match="powers of two"):
+        run(dl.decode_layer_triton, layer, case, cos_sin, config=dict(CONFIG, S=3))
