@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pagedlab.kernels import decode_layer as dl  # noqa: E402
+from pagedlab.kernels import decode_layer as dl, scratch  # noqa: E402
 from pagedlab.kernels.rope import rope_cos_sin  # noqa: E402
 
 GPU = torch.cuda.is_available()
@@ -99,7 +99,7 @@ def test_counters_reset_and_a_second_launch_gives_the_same_layer():
     case = make_case(dtype, CONTEXTS[-1], seed=5)
     cos_sin = rope_cos_sin(SHAPE[4], 500000.0, max(CONTEXTS) + 1, device=DEV)
     a, kc_a, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
-    sc = next(v for k, v in dl._SCRATCH.items() if k[1] == SHAPE[0])
+    sc = next(v for k, v in scratch.DEFAULT.items() if k[0] == "decode_layer" and k[3] == SHAPE[0])
     assert int(sc["cnt"].abs().sum()) == 0            # the last program out left them at zero
     b, kc_b, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
     assert torch.equal(a, b) and torch.equal(kc_a, kc_b)
@@ -115,3 +115,26 @@ def test_what_does_not_fit_is_named():
         run(dl.decode_layer_triton, layer, two, cos_sin, config=CONFIG)
     with pytest.raises(ValueError, match="powers of two"):
         run(dl.decode_layer_triton, layer, case, cos_sin, config=dict(CONFIG, S=3))
+
+
+def test_the_layer_bench_loops_agree(monkeypatch):
+    """bench layer's two loops over a model's layers (pagedlab/bench/layer.py) at a small shape:
+    its mirror of the engine's five launches, with the torch kernels, gives exactly the torch
+    composition layer after layer, and the one launch is as close to the float64 layers as they are."""
+    from pagedlab.bench import layer as bench
+    from pagedlab.kernels import select_kernels
+    H, inter, hq, hkv, d, page = SHAPE
+    shape = dict(hidden=H, inter=inter, heads=hq, kv_heads=hkv, head_dim=d, layers=3, theta=10000.0)
+    dtype = DTYPES[0]
+    layers = bench.make_layers(shape, dtype, DEV, seed=2)
+    seq = bench.make_sequence(shape, 19, dtype, DEV, page=page, seed=3)
+    cos_sin = rope_cos_sin(d, 10000.0, 20, device=DEV)
+    five = bench.five_launches(select_kernels("torch"), layers, bench.clone_seq(seq), cos_sin, shape)
+    same = bench.one_launch(dl.decode_layer_torch, layers, bench.clone_seq(seq), cos_sin, shape)
+    assert torch.equal(five, same)
+    one = bench.one_launch(dl.decode_layer_triton, layers, bench.clone_seq(seq), cos_sin, shape, config=CONFIG)
+    ref = bench.one_launch(dl.decode_layer_torch, [f64(x) for x in layers],
+                           dict(bench.clone_seq(seq), k=[t.double() for t in seq["k"]],
+                                v=[t.double() for t in seq["v"]], h=seq["h"].double()), cos_sin, shape)
+    ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+    assert bench.rel_err(one, ref) * ref.abs().max().item() <= 2 * (five.double() - ref).abs().max().item() + 8 * ulp

@@ -24,7 +24,7 @@ head_dim, the group size, tiles and splits powers of two (check_shapes says what
 
 Status (session 26, 2026-12-03): correct on the CPU interpreter against the five-launch
 composition and a float64 reference (tests/test_decode_layer.py); NOT yet measured on a GPU --
-`python -m pagedlab bench decode-layer` times it against the five launches in a CUDA graph. The
+`python -m pagedlab bench layer` times it against the five launches in a CUDA graph. The
 engine does not use it yet.
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import scratch
 from .decode_attention import decode_attention_torch
 from .gemv import linear_residual_torch, norm_qkv_rope_store_torch, norm_swiglu_torch
 
@@ -295,18 +296,13 @@ def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> st
     return None
 
 
-_SCRATCH: dict = {}
-
-
-def _scratch(device, H, inter, nq, nkv, hd, S):
-    key = (str(device), H, inter, nq, nkv, hd, S)
-    if key not in _SCRATCH:
-        f = dict(device=device, dtype=torch.float32)
-        _SCRATCH[key] = dict(qkv=torch.zeros((nq + 2 * nkv) * hd, **f), part=torch.zeros(nq * S * hd, **f),
-                             ml=torch.zeros(nq * S * 2, **f), mid=torch.zeros(H, **f),
-                             act=torch.zeros(inter, **f),
-                             cnt=torch.zeros(N_COUNTERS, device=device, dtype=torch.int32))
-    return _SCRATCH[key]
+def _scratch(device, H, inter, nq, nkv, hd, S) -> dict:
+    """The launch's fp32 partials and its counters: the current model's own (kernels/scratch.py)."""
+    f = dict(device=device, dtype=torch.float32)
+    return scratch.get(("decode_layer", device.type, device.index, H, inter, nq, nkv, hd, S), device, lambda: dict(
+        qkv=torch.zeros((nq + 2 * nkv) * hd, **f), part=torch.zeros(nq * S * hd, **f),
+        ml=torch.zeros(nq * S * 2, **f), mid=torch.zeros(H, **f), act=torch.zeros(inter, **f),
+        cnt=torch.zeros(N_COUNTERS, device=device, dtype=torch.int32)))
 
 
 def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
