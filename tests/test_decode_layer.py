@@ -1,8 +1,8 @@
 """One decoder layer in one persistent launch (pagedlab/kernels/decode_layer.py) against the five
 launches' torch composition and a float64 reference. CPU: the interpreter in fp32/fp16 at small
 irregular sizes (hidden 96, intermediate 160, 4 query heads over 2 KV heads of 16, pages of 4
-scattered over the pool, contexts 1 to 41 -- splits empty, partial and full); GPU: bf16 at
-Llama-3.2-1B's layer."""
+scattered over the pool, contexts 1 to 70 -- splits empty, partial, full and of several tiles);
+GPU: bf16 at Llama-3.2-1B's layer."""
 import os
 
 import pytest
@@ -19,8 +19,8 @@ DEV = "cuda" if GPU else "cpu"
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
 # (hidden, intermediate, Hq, Hkv, D, page)
 SHAPE = (2048, 8192, 32, 8, 64, 16) if GPU else (96, 160, 4, 2, 16, 4)
-CONFIG = dl.DECODE_LAYER_CONFIG if GPU else dict(dl.DECODE_LAYER_CONFIG, R=8, BK=32, S=4, BLOCK_N=8, PROGRAMS=3)
-CONTEXTS = [1, 258, 1900] if GPU else [1, 2, 7, 23, 41]
+CONFIG = dl.DECODE_LAYER_CONFIG if GPU else dict(dl.DECODE_LAYER_CONFIG, R=8, BK=32, S=4, BLOCK_N=16, PROGRAMS=3)
+CONTEXTS = [1, 258, 1900] if GPU else [1, 2, 7, 23, 41, 70]
 EPS = 1e-5
 
 

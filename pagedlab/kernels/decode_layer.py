@@ -36,6 +36,7 @@ import triton.language as tl
 from . import scratch
 from .decode_attention import decode_attention_torch
 from .gemv import linear_residual_torch, norm_qkv_rope_store_torch, norm_swiglu_torch
+from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
 # step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
@@ -88,11 +89,13 @@ def _rstd(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps, CG: tl.constexpr):
 
 
 @triton.jit
-def _rope(x_ptr, rows, d, cos, sin, HD: tl.constexpr):
-    """Rows [n] of head vectors at x_ptr (fp32, .cg) rotated: x*cos + rotate_half(x)*sin."""
+def _rope(x_ptr, rows, rmask, d, cos, sin, HD: tl.constexpr):
+    """Rows [n] of head vectors at x_ptr (fp32, .cg) rotated: x*cos + rotate_half(x)*sin (rows
+    outside rmask: zeros)."""
     HALF: tl.constexpr = HD // 2
-    x = tl.load(x_ptr + rows[:, None] * HD + d[None, :], cache_modifier=".cg")
-    xp = tl.load(x_ptr + rows[:, None] * HD + ((d + HALF) % HD)[None, :], cache_modifier=".cg")
+    x = tl.load(x_ptr + rows[:, None] * HD + d[None, :], mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+    xp = tl.load(x_ptr + rows[:, None] * HD + ((d + HALF) % HD)[None, :], mask=rmask[:, None], other=0.0,
+                 cache_modifier=".cg")
     sign = tl.where(d < HALF, -1.0, 1.0)
     return x * cos[None, :] + sign[None, :] * xp * sin[None, :]
 
@@ -104,7 +107,8 @@ def _decode_layer_kernel(
         qkv_ptr, part_ptr, ml_ptr, mid_ptr, act_ptr, cnt_ptr,
         eps, scale, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
-        PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr):
+        PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+        GP: tl.constexpr, IEEE: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -156,54 +160,53 @@ def _decode_layer_kernel(
             seq = tl.load(seq_ptr)
             cos = tl.load(cs_ptr + pos * HD + d % HALF)
             sin = tl.load(cs_ptr + pos * HD + HALF + d % HALF)
-            j = tl.arange(0, GQA)
-            q = _rope(qkv_ptr, g * GQA + j, d, cos, sin, HD).to(DT).to(tl.float32)       # [GQA, HD]
+            j = tl.arange(0, GP)                       # the group's query heads, padded for tl.dot
+            jm = j < GQA
+            CDT = kc_ptr.dtype.element_ty
+            q = _rope(qkv_ptr, g * GQA + j, jm, d, cos, sin, HD).to(DT).to(CDT)              # [GP, HD]
             chunk = (seq + S - 1) // S
             start = s * chunk
             end = tl.minimum(start + chunk, seq)
             last = seq - 1                                                   # this token's position
-            m = tl.full([GQA], -1.0e30, dtype=tl.float32)
-            l = tl.zeros([GQA], dtype=tl.float32)
-            acc = tl.zeros([GQA, HD], dtype=tl.float32)
-            for n0 in range(start, tl.minimum(end, last), BLOCK_N):
+            stop = tl.minimum(end, last)                                     # the cached keys' end
+            sl = scale * LOG2E                                               # scores in log2 units
+            m = tl.full([GP], -1.0e30, dtype=tl.float32)
+            l = tl.zeros([GP], dtype=tl.float32)
+            acc = tl.zeros([GP, HD], dtype=tl.float32)
+            for n0 in range(start, stop, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
-                valid = n < tl.minimum(end, last)
+                valid = n < stop
                 page = tl.load(bt_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
                 kt = tl.load(kc_ptr + page[:, None] * stride_cb + (n % PAGE)[:, None] * stride_cs
-                             + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+                             + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0)
                 vt = tl.load(vc_ptr + page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs
-                             + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                sc = tl.sum(q[:, None, :] * kt[None, :, :], axis=2) * scale                  # [GQA, N]
-                sc = tl.where(valid[None, :], sc, -1.0e30)
-                m_new = tl.maximum(m, tl.max(sc, axis=1))
-                p = tl.exp(sc - m_new[:, None])
-                p = tl.where(valid[None, :], p, 0.0)
-                alpha = tl.exp(m - m_new)
-                l = l * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
-                m = m_new
+                             + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+                if IEEE:
+                    sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * sl
+                else:
+                    sc = tl.dot(q, tl.trans(kt)) * sl
+                sc = tl.where(valid[None, :], sc, float("-inf"))
+                acc, m, l = online_softmax_update(acc, m, l, sc, vt, IEEE)
             if (start <= last) & (last < end):
-                CDT = kc_ptr.dtype.element_ty
-                k_new = _rope(qkv_ptr + QD, g + tl.zeros([1], dtype=tl.int32), d, cos, sin, HD)  # [1, HD]
-                k_new = k_new.to(CDT)
+                one = tl.arange(0, 1)
+                k_new = _rope(qkv_ptr + QD, g + one, one < 1, d, cos, sin, HD).to(CDT)      # [1, HD]
                 v_new = tl.load(qkv_ptr + QD + NKV * HD + g * HD + d, cache_modifier=".cg").to(CDT)
                 slot = tl.load(slot_ptr).to(tl.int64)
                 tl.store(kc_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + g * stride_ch
                          + d[None, :], k_new)
                 tl.store(vc_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d,
                          v_new)
-                kf = k_new.to(tl.float32)                                                     # [1, HD]
-                sc = tl.sum(q * kf, axis=1) * scale                                           # [GQA]
+                sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sl              # [GP]
                 m_new = tl.maximum(m, sc)
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(sc - m_new)
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(sc - m_new)
                 l = l * alpha + p
                 acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
                 m = m_new
             hrow = g * GQA + j
-            tl.store(part_ptr + (hrow[:, None] * S + s) * HD + d[None, :], acc)
-            tl.store(ml_ptr + (hrow * S + s) * 2, m)
-            tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l)
+            tl.store(part_ptr + (hrow[:, None] * S + s) * HD + d[None, :], acc, mask=jm[:, None])
+            tl.store(ml_ptr + (hrow * S + s) * 2, m, mask=jm)
+            tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l, mask=jm)
             _arrive(cnt_ptr + _ATTN)
         elif t < E_O:
             # ---- O rows: its first weights before the wait; the splits merged head by head in
@@ -221,7 +224,7 @@ def _decode_layer_kernel(
                 ms = tl.load(ml_ptr + (hq * S + sp) * 2, cache_modifier=".cg")
                 ls = tl.load(ml_ptr + (hq * S + sp) * 2 + 1, cache_modifier=".cg")
                 mx = tl.max(ms, axis=0)
-                f = tl.exp(ms - mx)
+                f = tl.exp2(ms - mx)                       # (log2 units, as the splits kept them)
                 parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
                 o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
                 acc += wt * o[None, :]
@@ -289,8 +292,9 @@ def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> st
     if num_heads % nkv or nkv + N_PHASE_COUNTERS > N_COUNTERS:
         return (f"{num_heads} query heads over {nkv} KV heads: a whole group each, "
                 f"at most {N_COUNTERS - N_PHASE_COUNTERS} groups")
-    if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN)) or R < 2:
-        return "head_dim, the group size, R, BK, S and BLOCK_N must be powers of two (R >= 2)"
+    if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN)) or R < 2 or hd < 16 or BN < 16:
+        return ("head_dim, the group size, R, BK, S and BLOCK_N must be powers of two "
+                "(R >= 2; head_dim and BLOCK_N >= 16: tl.dot)")
     if hd % R or H % R or H % BK or inter % BK or inter % (R // 2):
         return f"hidden {H}, intermediate {inter} and head_dim {hd} must be multiples of R={R} (and BK={BK})"
     return None
@@ -329,5 +333,6 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         eps, scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
-        S=S, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv), IEEE=h.dtype == torch.float32,
+        num_warps=config["num_warps"])
     return out
