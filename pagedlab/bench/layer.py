@@ -7,7 +7,7 @@ pool, at each --contexts length. For each variant: the GPU time of the 16 layers
 CUDA graph (median of rounds), per layer, and the weight bytes over that time (TB/s, against the
 copy bandwidth measured in the same run); and the largest difference of the 16 layers' output from
 the same layers in fp32 (torch), relative to its largest value -- the one launch must be as close
-as the five. --sweep also times the one launch at other settings (R, BK, S, BLOCK_N, PROGRAMS,
+as the five. --sweep also times the one launch at other settings (R, BK, S, BLOCK_N, PER_SM,
 num_warps: kernels/decode_layer.py). A launch that does not finish within --watchdog-s seconds (a
 wait that never ends) is named in one line and the process killed (status 137 in a shell). Writes layer_bench.json.
 """
@@ -26,8 +26,9 @@ from pagedlab.bench.common import (copy_bandwidth_tbs, device_line, graph_time_u
 
 EPS = 1e-5
 LLAMA_1B = dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64, layers=16, theta=500000.0)
-SWEEP = [dict(R=8), dict(R=32), dict(BK=128), dict(BK=512), dict(S=2), dict(S=8), dict(BLOCK_N=32),
-         dict(num_warps=8), dict(PROGRAMS=-2)]          # PROGRAMS -2: twice the SMs
+SWEEP = [dict(PER_SM=1), dict(PER_SM=2), dict(PER_SM=8), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
+         dict(S=2), dict(S=8), dict(BLOCK_N=32), dict(num_warps=8), dict(num_warps=8, BK=512),
+         dict(num_warps=8, PER_SM=2)]
 
 
 def make_layers(shape, dtype, device, seed=0):
@@ -141,8 +142,6 @@ def main(argv=None):
     if args.sweep:
         for change in SWEEP:
             c = dict(DECODE_LAYER_CONFIG, **change)
-            if c["PROGRAMS"] == -2:
-                c["PROGRAMS"] = 2 * sms
             configs.append(("one launch " + ",".join(f"{k}={v}" for k, v in change.items()), c))
     print(f"copy bandwidth {tbs:.3f} TB/s; {weight_bytes / 1e6:.1f} MB of weights a layer "
           f"({weight_bytes / tbs / 1e6:.2f} us a layer at copy speed); {sms} SMs", flush=True)

@@ -3,8 +3,7 @@
 At batch 1 a layer is five launches today (norm + QKV + RoPE + KV store, decode attention, O +
 residual, norm + gate/up + SwiGLU, down + residual; gemv.py, decode_attention.py) and each costs a
 few microseconds over the bytes it reads: a ramp, a drain, a boundary (docs/kernels.md, "where a
-batch-1 step goes"). Here one launch of about as many programs as the GPU has SMs does the whole
-layer. The layer is cut into tiles, in an order where every tile depends only on tiles before it:
+batch-1 step goes"). Here one launch of a few programs per SM does the whole layer. The layer is cut into tiles, in an order where every tile depends only on tiles before it:
 
     QKV rows (by KV-head group)  ->  attention (group x split)  ->  O rows  ->  gate/up rows  ->  down rows
 
@@ -40,8 +39,10 @@ from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
 # step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
-# PROGRAMS (0: one per SM). Untuned: the bench sweeps them.
-DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 4, "BLOCK_N": 64, "PROGRAMS": 0, "num_warps": 4}
+# PROGRAMS (0: PER_SM a streaming multiprocessor -- several, so that an SM has enough weight
+# loads in flight; the queue needs none of them resident to make progress). Untuned: the bench
+# sweeps them.
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 4, "BLOCK_N": 64, "PROGRAMS": 0, "PER_SM": 4, "num_warps": 4}
 
 # counters (int32): the queue, programs that left, attention tiles done, O tiles done, gate/up
 # tiles done, then one per KV-head group: its QKV tiles done
@@ -64,10 +65,13 @@ def decode_layer_torch(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot
 
 @triton.jit
 def _wait(cnt_ptr, target):
-    """Spin until the counter reaches target (acquire: what the tiles wrote before their release
-    is visible; read it through L2, .cg, never a stale L1 line)."""
-    while tl.atomic_add(cnt_ptr, 0, sem="acquire") < target:
+    """Spin until the counter reaches target, reading it with plain volatile loads (hundreds of
+    waiting programs must not queue atomics at the one L2 line their producers bump), then one
+    acquire: what the tiles wrote before their release is visible. Read it through L2 (.cg), never
+    a stale L1 line."""
+    while tl.load(cnt_ptr, volatile=True) < target:
         pass
+    tl.atomic_add(cnt_ptr, 0, sem="acquire")
 
 
 @triton.jit
@@ -321,8 +325,8 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
     S = config["S"]
     sc = _scratch(h.device, H, inter, num_heads, nkv, hd, S)
     out = torch.empty_like(h) if out is None else out
-    programs = config["PROGRAMS"] or (torch.cuda.get_device_properties(h.device).multi_processor_count
-                                      if h.device.type == "cuda" else 4)
+    programs = config["PROGRAMS"] or config["PER_SM"] * (
+        torch.cuda.get_device_properties(h.device).multi_processor_count if h.device.type == "cuda" else 1)
     for t in (h, layer["qkv"], layer["o"], layer["gate_up"], layer["down"]):
         assert t.is_contiguous()
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
