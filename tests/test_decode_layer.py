@@ -19,7 +19,7 @@ DEV = "cuda" if GPU else "cpu"
 DTYPES = [torch.bfloat16] if GPU else [torch.float32, torch.float16]
 # (hidden, intermediate, Hq, Hkv, D, page)
 SHAPE = (2048, 8192, 32, 8, 64, 16) if GPU else (96, 160, 4, 2, 16, 4)
-CONFIG = dl.DECODE_LAYER_CONFIG if GPU else dict(dl.DECODE_LAYER_CONFIG, R=8, BK=32, S=4, BLOCK_N=16, PROGRAMS=3)
+CONFIG = dl.DECODE_LAYER_CONFIG if GPU else dict(dl.DECODE_LAYER_CONFIG, R=8, BK=32, S=4, BLOCK_N=16, PROGRAMS=3, num_warps=4)
 CONTEXTS = [1, 258, 1900] if GPU else [1, 2, 7, 23, 41, 70]
 EPS = 1e-5
 
@@ -138,3 +138,24 @@ def test_the_layer_bench_loops_agree(monkeypatch):
                                 v=[t.double() for t in seq["v"]], h=seq["h"].double()), cos_sin, shape)
     ulp = torch.finfo(dtype).eps * ref.abs().max().item()
     assert bench.rel_err(one, ref) * ref.abs().max().item() <= 2 * (five.double() - ref).abs().max().item() + 8 * ulp
+
+
+def test_it_compiles_for_t4_a100_and_h100_without_spills():
+    """Compiled ahead of time for sm75 / sm80 / sm90 (Triton's own ptxas, no GPU needed;
+    scripts/compile_check.py): no local-memory spills, and the default settings' registers let
+    PER_SM programs share an SM (65,536 registers each)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(root / "scripts" / "compile_check.py")], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = re.findall(r"^sm(\d+) regs (\d+) spill (\d+) stack (\d+)", r.stdout, re.M)
+    assert [a for a, *_ in rows] == ["75", "80", "90"], r.stdout
+    cfg = dl.DECODE_LAYER_CONFIG
+    for arch, regs, spill, stack in rows:
+        assert int(spill) == 0 and int(stack) == 0, r.stdout
+        assert int(regs) * cfg["num_warps"] * 32 * cfg["PER_SM"] <= 65536, r.stdout

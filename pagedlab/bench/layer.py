@@ -26,9 +26,8 @@ from pagedlab.bench.common import (copy_bandwidth_tbs, device_line, graph_time_u
 
 EPS = 1e-5
 LLAMA_1B = dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64, layers=16, theta=500000.0)
-SWEEP = [dict(PER_SM=1), dict(PER_SM=2), dict(PER_SM=8), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
-         dict(S=2), dict(S=8), dict(BLOCK_N=32), dict(num_warps=8), dict(num_warps=8, BK=512),
-         dict(num_warps=8, PER_SM=2)]
+SWEEP = [dict(PER_SM=1), dict(PER_SM=3), dict(PER_SM=4), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
+         dict(S=4), dict(S=16), dict(BLOCK_N=32), dict(num_warps=4, BK=128), dict(num_warps=4, BK=128, PER_SM=3)]
 
 
 def make_layers(shape, dtype, device, seed=0):

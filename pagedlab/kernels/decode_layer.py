@@ -39,13 +39,13 @@ from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
 # step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
-# PROGRAMS (0: PER_SM a streaming multiprocessor -- several, so that an SM has enough weight
-# loads in flight; the queue needs none of them resident to make progress). Untuned: the bench
-# sweeps them.
-DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 4, "BLOCK_N": 64, "PROGRAMS": 0, "PER_SM": 4, "num_warps": 4}
+# PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
+# loads in flight; the queue needs none of them resident to make progress). The attention tile
+# sets the registers: BLOCK_N 64 takes 233 a thread at 4 warps (sm90, Triton 3.9, compiled
+# without a GPU: scripts/compile_check.py), BLOCK_N 16 at 8 warps 125 -- two programs an SM.
+# Not tuned on a GPU yet: `bench layer --sweep`.
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "PROGRAMS": 0, "PER_SM": 2, "num_warps": 8}
 
-# counters (int32): the queue, programs that left, attention tiles done, O tiles done, gate/up
-# tiles done, then one per KV-head group: its QKV tiles done
 N_PHASE_COUNTERS = 5
 N_COUNTERS = 16                     # so at most 11 KV-head groups
 _QUEUE, _LEFT, _ATTN, _O, _GU, _GROUP = (tl.constexpr(i) for i in range(6))
@@ -109,7 +109,7 @@ def _decode_layer_kernel(
         h_ptr, out_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wgu_ptr, wdown_ptr,
         pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, bt_ptr, seq_ptr,
         qkv_ptr, part_ptr, ml_ptr, mid_ptr, act_ptr, cnt_ptr,
-        eps, scale, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
+        eps, scale_log2, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
         GP: tl.constexpr, IEEE: tl.constexpr):
@@ -144,13 +144,13 @@ def _decode_layer_kernel(
                                      QD + NKV * HD + g * HD + (w - (GQA + 1) * TPH) * R))
             rows = row0 + r
             rstd = _rstd(h_ptr, H, BK, eps, False)
-            acc = tl.zeros([R, BK], dtype=tl.float32)
+            acc = tl.zeros([R], dtype=tl.float32)
             for k0 in range(0, H, BK):
                 wt = tl.load(wqkv_ptr + rows[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
                 x = tl.load(h_ptr + k0 + kk).to(tl.float32)
                 xn = (x * rstd * tl.load(attn_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
-                acc += wt * xn[None, :]
-            y = tl.sum(acc, axis=1).to(DT).to(tl.float32)
+                acc += tl.sum(wt * xn[None, :], axis=1)
+            y = acc.to(DT).to(tl.float32)
             tl.store(qkv_ptr + rows, y)
             _arrive(cnt_ptr + _GROUP + g)
         elif t < E_ATT:
@@ -173,7 +173,7 @@ def _decode_layer_kernel(
             end = tl.minimum(start + chunk, seq)
             last = seq - 1                                                   # this token's position
             stop = tl.minimum(end, last)                                     # the cached keys' end
-            sl = scale * LOG2E                                               # scores in log2 units
+            sl = scale_log2                                                  # scores in log2 units
             m = tl.full([GP], -1.0e30, dtype=tl.float32)
             l = tl.zeros([GP], dtype=tl.float32)
             acc = tl.zeros([GP, HD], dtype=tl.float32)
@@ -219,7 +219,7 @@ def _decode_layer_kernel(
             w0 = tl.load(wo_ptr + rows[:, None] * QD + d[None, :]).to(tl.float32)
             _wait(cnt_ptr + _ATTN, N_ATT)
             sp = tl.arange(0, S)
-            acc = tl.zeros([R, HD], dtype=tl.float32)
+            acc = tl.zeros([R], dtype=tl.float32)
             for hq in range(0, NQ):
                 if hq == 0:
                     wt = w0
@@ -231,8 +231,8 @@ def _decode_layer_kernel(
                 f = tl.exp2(ms - mx)                       # (log2 units, as the splits kept them)
                 parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
                 o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
-                acc += wt * o[None, :]
-            y = (tl.sum(acc, axis=1) + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
+                acc += tl.sum(wt * o[None, :], axis=1)
+            y = (acc + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
             tl.store(mid_ptr + rows, y)
             _arrive(cnt_ptr + _O)
         elif t < E_GU:
@@ -242,8 +242,8 @@ def _decode_layer_kernel(
             wu0 = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + kk[None, :]).to(tl.float32)
             _wait(cnt_ptr + _O, N_O)
             rstd = _rstd(mid_ptr, H, BK, eps, True)
-            accg = tl.zeros([RG, BK], dtype=tl.float32)
-            accu = tl.zeros([RG, BK], dtype=tl.float32)
+            accg = tl.zeros([RG], dtype=tl.float32)
+            accu = tl.zeros([RG], dtype=tl.float32)
             for k0 in range(0, H, BK):
                 if k0 == 0:
                     wg = wg0
@@ -253,10 +253,10 @@ def _decode_layer_kernel(
                     wu = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
                 x = tl.load(mid_ptr + k0 + kk, cache_modifier=".cg")
                 xn = (x * rstd * tl.load(mlp_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
-                accg += wg * xn[None, :]
-                accu += wu * xn[None, :]
-            gt = tl.sum(accg, axis=1).to(DT).to(tl.float32)
-            up = tl.sum(accu, axis=1).to(DT).to(tl.float32)
+                accg += tl.sum(wg * xn[None, :], axis=1)
+                accu += tl.sum(wu * xn[None, :], axis=1)
+            gt = accg.to(DT).to(tl.float32)
+            up = accu.to(DT).to(tl.float32)
             act = (gt / (1.0 + tl.exp(-gt)) * up).to(DT).to(tl.float32)
             tl.store(act_ptr + rg, act)
             _arrive(cnt_ptr + _GU)
@@ -265,14 +265,14 @@ def _decode_layer_kernel(
             rows = (t - E_GU) * R + r
             w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kk[None, :]).to(tl.float32)
             _wait(cnt_ptr + _GU, N_GU)
-            acc = tl.zeros([R, BK], dtype=tl.float32)
+            acc = tl.zeros([R], dtype=tl.float32)
             for k0 in range(0, INTER, BK):
                 if k0 == 0:
                     wt = w0
                 else:
                     wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
-                acc += wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :]
-            y = tl.sum(acc, axis=1) + tl.load(mid_ptr + rows, cache_modifier=".cg")
+                acc += tl.sum(wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :], axis=1)
+            y = acc + tl.load(mid_ptr + rows, cache_modifier=".cg")
             tl.store(out_ptr + rows, y.to(DT))
         t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
     # the last program out resets every counter for the next launch
@@ -334,7 +334,7 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         h, out, layer["attn_norm"], layer["qkv"], layer["o"], layer["mlp_norm"], layer["gate_up"],
         layer["down"], positions, cos_sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
         sc["qkv"], sc["part"], sc["ml"], sc["mid"], sc["act"], sc["cnt"],
-        eps, scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
         S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv), IEEE=h.dtype == torch.float32,
