@@ -71,7 +71,8 @@ def _wait(cnt_ptr, target):
     a stale L1 line."""
     while tl.load(cnt_ptr, volatile=True) < target:
         pass
-    tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    tl.atomic_add(cnt_ptr, 0, sem="acquire")     # (a scalar atomic: one thread issues it)
+    tl.debug_barrier()                           # every thread's later loads after that acquire
 
 
 @triton.jit
