@@ -116,6 +116,11 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=LLAMA_1B["layers"])
     p.add_argument("--rounds", type=int, default=30, help="graph replays timed (median)")
     p.add_argument("--sweep", action="store_true", help="also the one launch at other settings")
+    p.add_argument("--engine", action="store_true",
+                   help="also the engine: one stream (128-token prompt, 256 new tokens, median of 5) and its "
+                        "batch-1 graph replay, the one launch off / on / off (LLM(kernel_options={'decode_layer': "
+                        "True})), each a fresh engine in this process, and whether the tokens agree")
+    p.add_argument("--skip-layers", action="store_true", help="only --engine")
     p.add_argument("--watchdog-s", type=float, default=60.0)
     p.add_argument("--out", default="figures")
     args = p.parse_args(argv)
@@ -145,7 +150,7 @@ def main(argv=None):
     print(f"copy bandwidth {tbs:.3f} TB/s; {weight_bytes / 1e6:.1f} MB of weights a layer "
           f"({weight_bytes / tbs / 1e6:.2f} us a layer at copy speed); {sms} SMs", flush=True)
     rows = []
-    for context in contexts:
+    for context in ([] if args.skip_layers else contexts):
         seq = make_sequence(shape, context, torch.bfloat16, dev)
         ref_seq = clone_seq(seq)
         ref_seq.update(k=[t.float() for t in seq["k"]], v=[t.float() for t in seq["v"]], h=seq["h"].float())
@@ -179,10 +184,45 @@ def main(argv=None):
         for r in rows:
             if base and r["context"] == context and "step_us" in r and r is not base:
                 r["vs_five"] = r["step_us"] / base["step_us"]
+    engine = engine_rows(args, contexts[0]) if args.engine else []
     path = write_json(out_dir(args.out) / "layer_bench.json",
-                      dict(meta=meta, copy_tbs=tbs, weight_bytes_per_layer=weight_bytes, shape=shape, rows=rows))
+                      dict(meta=meta, copy_tbs=tbs, weight_bytes_per_layer=weight_bytes, shape=shape, rows=rows,
+                           engine=engine))
     print(f"wrote {path}")
     return 0
+
+
+def engine_rows(args, context: int) -> list[dict]:
+    """One stream and the batch-1 graph replay (at `context`), the one launch off / on / off."""
+    import gc
+
+    from pagedlab import LLM
+    from pagedlab.bench.common import random_prompt
+    from pagedlab.bench.engine import one_stream
+    from pagedlab.bench.step import graph_step_us
+    from pagedlab.weights import load_checkpoint
+    ckpt = load_checkpoint("random:llama-3.2-1b", show_progress=False)
+    prompt = random_prompt()
+    rows, first = [], None
+    for name, opts in (("five launches", {}), ("one launch", {"decode_layer": True}), ("five launches again", {})):
+        llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=1, max_model_len=2048,
+                  show_progress=False, kernel_options=opts or None)
+        graph_us, kernels_us = guarded(f"the engine's graph, {name}", lambda: graph_step_us(llm, context),
+                                       args.watchdog_s * 3)
+        run = guarded(f"one stream, {name}", lambda: one_stream(llm, prompt, keep_tokens=True), args.watchdog_s * 5)
+        tokens = run["token_ids"][0]
+        first = tokens if first is None else first
+        agree = sum(a == b for a, b in zip(tokens, first)) / len(first)
+        row = dict(variant=name, graph_us=graph_us, kernels_us=kernels_us, one_stream_tok_s=run["tokens_per_s"],
+                   runs_tok_s=run["runs_tokens_per_s"], itl_p50_ms=run["itl_ms"][50],
+                   tokens_agree_with_first=agree)
+        rows.append(row)
+        print(f"  engine  {name:<22} graph {graph_us:7.1f} us  one stream {run['tokens_per_s']:7.1f} tok/s "
+              f"(runs {run['runs_tokens_per_s']})  tokens = first row's at {agree:.3f}", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":
