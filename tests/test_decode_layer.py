@@ -159,3 +159,28 @@ def test_it_compiles_for_t4_a100_and_h100_without_spills():
     for arch, regs, spill, stack in rows:
         assert int(spill) == 0 and int(stack) == 0, r.stdout
         assert int(regs) * cfg["num_warps"] * 32 * cfg["PER_SM"] <= 65536, r.stdout
+
+
+def test_the_layer_bench_runs_end_to_end(monkeypatch, tmp_path, capsys):
+    """`bench layer --sweep` on the CPU at a small shape in fp32 (its CUDA parts replaced: the
+    bandwidth, the graph timing): every variant's row, the one launch as close to fp32 as the five,
+    a setting that does not fit named as failed, and the JSON written."""
+    import json
+
+    from pagedlab.bench import layer as bench
+    small = dict(hidden=256, inter=512, heads=4, kv_heads=2, head_dim=16, layers=2, theta=10000.0)
+    monkeypatch.setattr(bench, "LLAMA_1B", small)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DTYPE", torch.float32)
+    monkeypatch.setattr(bench, "SWEEP", [dict(S=4), dict(BK=1024)])      # BK 1024 > hidden: refused
+    monkeypatch.setattr(bench, "require_cuda", lambda what: None)
+    monkeypatch.setattr(bench, "copy_bandwidth_tbs", lambda dev: 1.0)
+    monkeypatch.setattr(bench, "graph_time_us", lambda calls, rounds: 1.0e3 * len(calls))
+    assert bench.main(["--contexts", "21", "--sweep", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "layer_bench.json").read_text())
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"five launches", "one launch", "one launch S=4", "one launch BK=1024"}
+    assert "multiples of R" in rows["one launch BK=1024"]["error"]
+    assert rows["one launch"]["rel_err_vs_fp32"] <= 2 * rows["five launches"]["rel_err_vs_fp32"] + 1e-6
+    assert rows["one launch"]["vs_five"] == 1.0 and res["engine"] == []
+    assert "failed" in capsys.readouterr().out

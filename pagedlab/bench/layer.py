@@ -25,6 +25,7 @@ from pagedlab.bench.common import (copy_bandwidth_tbs, device_line, graph_time_u
                                    require_cuda, write_json)
 
 EPS = 1e-5
+DEVICE, DTYPE = "cuda", torch.bfloat16     # (the tests run the command on the CPU, small and in fp32)
 LLAMA_1B = dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64, layers=16, theta=500000.0)
 SWEEP = [dict(PER_SM=1), dict(PER_SM=3), dict(PER_SM=4), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
          dict(S=4), dict(S=16), dict(BLOCK_N=32), dict(num_warps=4, BK=128), dict(num_warps=4, BK=128, PER_SM=3)]
@@ -99,7 +100,8 @@ def guarded(what: str, fn, watchdog_s: float):
     timer.start()
     try:
         out = fn()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return out
     finally:
         timer.cancel()
@@ -130,13 +132,13 @@ def main(argv=None):
     from pagedlab.kernels.launch import sm_count
     from pagedlab.kernels.rope import rope_cos_sin
 
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     meta = metadata("python -m pagedlab bench layer", argv)
     shape = dict(LLAMA_1B, layers=args.layers)
     contexts = [int(c) for c in args.contexts.split(",")]
     print(device_line(meta), flush=True)
     tbs = copy_bandwidth_tbs(dev)
-    layers = make_layers(shape, torch.bfloat16, dev)
+    layers = make_layers(shape, DTYPE, dev)
     ref_layers = [{k: v.float() for k, v in layer.items()} for layer in layers]
     weight_bytes = sum(t.numel() * t.element_size() for t in layers[0].values() if t.dim() == 2)
     cos_sin = rope_cos_sin(shape["head_dim"], shape["theta"], max(contexts) + 1, device=dev)
@@ -151,7 +153,7 @@ def main(argv=None):
           f"({weight_bytes / tbs / 1e6:.2f} us a layer at copy speed); {sms} SMs", flush=True)
     rows = []
     for context in ([] if args.skip_layers else contexts):
-        seq = make_sequence(shape, context, torch.bfloat16, dev)
+        seq = make_sequence(shape, context, DTYPE, dev)
         ref_seq = clone_seq(seq)
         ref_seq.update(k=[t.float() for t in seq["k"]], v=[t.float() for t in seq["v"]], h=seq["h"].float())
         ref = one_launch(decode_layer_torch, ref_layers, ref_seq, cos_sin, shape)

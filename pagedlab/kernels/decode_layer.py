@@ -35,6 +35,7 @@ import triton.language as tl
 from . import scratch
 from .decode_attention import decode_attention_torch
 from .gemv import linear_residual_torch, norm_qkv_rope_store_torch, norm_swiglu_torch
+from .launch import sm_count
 from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
@@ -326,8 +327,7 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
     S = config["S"]
     sc = _scratch(h.device, H, inter, num_heads, nkv, hd, S)
     out = torch.empty_like(h) if out is None else out
-    programs = config["PROGRAMS"] or config["PER_SM"] * (
-        torch.cuda.get_device_properties(h.device).multi_processor_count if h.device.type == "cuda" else 1)
+    programs = config["PROGRAMS"] or config["PER_SM"] * sm_count(h.device)
     for t in (h, layer["qkv"], layer["o"], layer["gate_up"], layer["down"]):
         assert t.is_contiguous()
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
