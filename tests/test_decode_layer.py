@@ -161,6 +161,7 @@ def test_it_compiles_for_t4_a100_and_h100_without_spills():
         assert int(regs) * cfg["num_warps"] * 32 * cfg["PER_SM"] <= 65536, r.stdout
 
 
+@pytest.mark.skipif(GPU, reason="runs the kernel on CPU tensors: the interpreter's (bench layer itself runs on the GPU)")
 def test_the_layer_bench_runs_end_to_end(monkeypatch, tmp_path, capsys):
     """`bench layer --sweep` on the CPU at a small shape in fp32 (its CUDA parts replaced: the
     bandwidth, the graph timing): every variant's row, the one launch as close to fp32 as the five,
