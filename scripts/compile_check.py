@@ -5,7 +5,8 @@ Triton compiles ahead of time for any target (its own ptxas is in the wheel), so
 compile errors, registers a thread and local-memory spills are known on a CPU-only machine --
 before any GPU time is spent. Kernel: kernels/decode_layer.py at Llama-3.2-1B's shapes (bf16 on
 sm80+, fp16 below), settings from its DECODE_LAYER_CONFIG, changed by SETTING=VALUE. One line a
-target: `sm90 regs 125 spill 0 stack 0 shared 1024`. Not under TRITON_INTERPRET (unset here).
+target: `sm90 regs 167 local 0 stack 0 shared 1024` (registers a thread; bytes of local memory
+and of stack a thread -- ptxas puts its spills on the stack -- and of shared memory a program). Not under TRITON_INTERPRET (unset here).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def layer_source(cfg: dict, dt: str) -> ASTSource:
                  stride_vs="i32", stride_vh="i32")
     types.update({n: "*fp32" for n in ("cs_ptr", "qkv_ptr", "part_ptr", "ml_ptr", "mid_ptr", "act_ptr")})
     const = dict(H=2048, INTER=8192, NQ=32, NKV=8, HD=64, PAGE=16, R=cfg["R"], BK=cfg["BK"], S=cfg["S"],
-                 BLOCK_N=cfg["BLOCK_N"], GP=16, IEEE=False)
+                 BLOCK_N=cfg["BLOCK_N"], GP=16 if cfg["DOT"] else 4, IEEE=False, DOT=bool(cfg["DOT"]))
     sig = {n: types.get(n, "constexpr") for n in names}
     missing = [n for n in names if sig[n] == "constexpr" and n not in const]
     if missing:
@@ -55,14 +56,14 @@ def usage(cubin: bytes) -> dict:
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     line = next(x for x in out.splitlines() if "REG:" in x)
     fields = dict(part.split(":") for part in line.split() if ":" in part)
-    return dict(regs=int(fields["REG"]), spill=int(fields["LOCAL"]), stack=int(fields["STACK"]),
+    return dict(regs=int(fields["REG"]), local=int(fields["LOCAL"]), stack=int(fields["STACK"]),
                 shared=int(fields["SHARED"]))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="75,80,90")
-    p.add_argument("settings", nargs="*", help="SETTING=VALUE: DECODE_LAYER_CONFIG's R, BK, S, BLOCK_N, num_warps")
+    p.add_argument("settings", nargs="*", help="SETTING=VALUE: DECODE_LAYER_CONFIG's R, BK, S, BLOCK_N, DOT, num_warps")
     args = p.parse_args(argv)
     from pagedlab.kernels.decode_layer import DECODE_LAYER_CONFIG
     cfg = dict(DECODE_LAYER_CONFIG)
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         k = triton.compile(layer_source(cfg, dt), target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": cfg["num_warps"]})
         u = usage(k.asm["cubin"])
-        print(f"sm{arch} regs {u['regs']} spill {u['spill']} stack {u['stack']} shared {u['shared']}", flush=True)
+        print(f"sm{arch} regs {u['regs']} local {u['local']} stack {u['stack']} shared {u['shared']}", flush=True)
     return 0
 
 

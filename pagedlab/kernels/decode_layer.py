@@ -40,12 +40,14 @@ from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
 # step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
+# DOT (1: the attention's products on tensor cores, the group padded to 16 rows; 0: CUDA cores),
 # PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
-# loads in flight; the queue needs none of them resident to make progress). The attention tile
-# sets the registers: BLOCK_N 64 takes 233 a thread at 4 warps (sm90, Triton 3.9, compiled
-# without a GPU: scripts/compile_check.py), BLOCK_N 16 at 8 warps 125 -- two programs an SM.
-# Not tuned on a GPU yet: `bench layer --sweep`.
-DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "PROGRAMS": 0, "PER_SM": 2, "num_warps": 8}
+# loads in flight; the queue needs none of them resident to make progress). Registers a thread,
+# compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 168 / 212 /
+# 168 under Triton 3.6, 167 / 167 / 167 under 3.9, no stack -- two programs of 4 warps fit an SM;
+# DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90. Not tuned on a GPU yet: `bench layer --sweep`.
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "PROGRAMS": 0, "PER_SM": 2,
+                       "num_warps": 4}
 
 N_PHASE_COUNTERS = 5
 N_COUNTERS = 16                     # so at most 11 KV-head groups
@@ -114,7 +116,7 @@ def _decode_layer_kernel(
         eps, scale_log2, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        GP: tl.constexpr, IEEE: tl.constexpr):
+        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -187,12 +189,22 @@ def _decode_layer_kernel(
                              + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0)
                 vt = tl.load(vc_ptr + page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs
                              + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-                if IEEE:
-                    sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * sl
-                else:
-                    sc = tl.dot(q, tl.trans(kt)) * sl
-                sc = tl.where(valid[None, :], sc, float("-inf"))
-                acc, m, l = online_softmax_update(acc, m, l, sc, vt, IEEE)
+                if DOT:                                    # tensor cores (the group padded to 16 rows)
+                    if IEEE:
+                        sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * sl
+                    else:
+                        sc = tl.dot(q, tl.trans(kt)) * sl
+                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    acc, m, l = online_softmax_update(acc, m, l, sc, vt, IEEE)
+                else:                                      # CUDA cores: [G, BLOCK_N, D] products
+                    sc = tl.sum(q.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * sl
+                    sc = tl.where(valid[None, :], sc, float("-inf"))
+                    m_new = tl.maximum(m, tl.max(sc, axis=1))
+                    alpha = tl.exp2(m - m_new)
+                    pr = tl.exp2(sc - m_new[:, None])
+                    l = l * alpha + tl.sum(pr, axis=1)
+                    acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
+                    m = m_new
             if (start <= last) & (last < end):
                 one = tl.arange(0, 1)
                 k_new = _rope(qkv_ptr + QD, g + one, one < 1, d, cos, sin, HD).to(CDT)      # [1, HD]
@@ -338,6 +350,7 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
-        S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv), IEEE=h.dtype == torch.float32,
+        S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
+        IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]),
         num_warps=config["num_warps"])
     return out
