@@ -51,7 +51,10 @@ DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "PRO
 
 N_PHASE_COUNTERS = 5
 N_COUNTERS = 16                     # so at most 11 KV-head groups
-_QUEUE, _LEFT, _ATTN, _O, _GU, _GROUP = (tl.constexpr(i) for i in range(6))
+LINE = 32                           # int32s between two counters: each on its own 128-byte line, so the
+#                                     waits' polls of one never queue behind the atomics on another
+_LINE = tl.constexpr(LINE)
+_QUEUE, _LEFT, _ATTN, _O, _GU, _GROUP = (tl.constexpr(i * LINE) for i in range(6))
 
 
 def decode_layer_torch(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
@@ -156,14 +159,14 @@ def _decode_layer_kernel(
                 acc += tl.sum(wt * xn[None, :], axis=1)
             y = acc.to(DT).to(tl.float32)
             tl.store(qkv_ptr + rows, y)
-            _arrive(cnt_ptr + _GROUP + g)
+            _arrive(cnt_ptr + _GROUP + g * _LINE)
         elif t < E_ATT:
             # ---- attention of one KV-head group over one split of the context (flash-decoding);
             # the split holding the newest position also rotates + stores this token's K and V
             a = t - N_QKV
             g = a // S
             s = a % S
-            _wait(cnt_ptr + _GROUP + g, G_T)
+            _wait(cnt_ptr + _GROUP + g * _LINE, G_T)
             pos = tl.load(pos_ptr)
             seq = tl.load(seq_ptr)
             cos = tl.load(cs_ptr + pos * HD + d % HALF)
@@ -293,7 +296,7 @@ def _decode_layer_kernel(
     left = tl.atomic_add(cnt_ptr + _LEFT, 1, sem="acq_rel")
     if left == tl.num_programs(0) - 1:
         c = tl.arange(0, 16)
-        tl.store(cnt_ptr + c, tl.zeros([16], dtype=tl.int32))
+        tl.store(cnt_ptr + c * _LINE, tl.zeros([16], dtype=tl.int32))
 
 
 def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> str | None:
@@ -324,7 +327,7 @@ def _scratch(device, H, inter, nq, nkv, hd, S) -> dict:
     return scratch.get(("decode_layer", device.type, device.index, H, inter, nq, nkv, hd, S), device, lambda: dict(
         qkv=torch.zeros((nq + 2 * nkv) * hd, **f), part=torch.zeros(nq * S * hd, **f),
         ml=torch.zeros(nq * S * 2, **f), mid=torch.zeros(H, **f), act=torch.zeros(inter, **f),
-        cnt=torch.zeros(N_COUNTERS, device=device, dtype=torch.int32)))
+        cnt=torch.zeros(N_COUNTERS * LINE, device=device, dtype=torch.int32)))
 
 
 def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slot_mapping,
