@@ -29,7 +29,7 @@ DEVICE, DTYPE = "cuda", torch.bfloat16     # (the tests run the command on the C
 LLAMA_1B = dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64, layers=16, theta=500000.0)
 SWEEP = [dict(PER_SM=1), dict(PER_SM=3), dict(PER_SM=4), dict(DOT=1, num_warps=8, PER_SM=1),
          dict(DOT=1, num_warps=8), dict(num_warps=8, PER_SM=1), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
-         dict(S=4), dict(S=16), dict(BLOCK_N=32)]
+         dict(S=4), dict(S=16), dict(BLOCK_N=32, num_warps=8)]
 
 
 def make_layers(shape, dtype, device, seed=0):

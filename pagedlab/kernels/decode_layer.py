@@ -45,7 +45,8 @@ from .online_softmax import LOG2E, online_softmax_update
 # loads in flight; the queue needs none of them resident to make progress). Registers a thread,
 # compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 168 / 212 /
 # 168 under Triton 3.6, 167 / 167 / 167 under 3.9, no stack -- two programs of 4 warps fit an SM;
-# DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90. Not tuned on a GPU yet: `bench layer --sweep`.
+# DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90; BLOCK_N 32 or more: 255 and spills (docs/kernels.md,
+# session 26). Not tuned on a GPU yet: `bench layer --sweep`.
 DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "PROGRAMS": 0, "PER_SM": 2,
                        "num_warps": 4}
 
