@@ -188,11 +188,11 @@ class LlamaModel:
 
     def _one_launch_layer(self, meta: AttentionMetadata, h, kv_cache):
         """The kernels' one-launch decoder layer (select_kernels(decode_layer=...), off by default)
-        for a step of one decode token on one device with dtype weights, while it still replaces
-        the model's own five functions (a learner's plugged piece turns it off); else None."""
+        for a step of one decode token on one device, while it still replaces the model's own five
+        functions (a learner's plugged piece turns it off); else None."""
         ops = self.kernels
         fn = getattr(ops, "decode_layer", None)
-        if fn is None or self.tp is not None or self.quantization is not None:
+        if fn is None or self.tp is not None:
             return None
         if getattr(ops, "layer_fuses", None) != (ops.norm_qkv_rope_store, ops.decode_attention,
                                                  ops.linear_residual, ops.norm_swiglu):

@@ -76,9 +76,9 @@ def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
 
 def test_one_stream_with_each_layer_in_one_launch(monkeypatch):
     """select_kernels(decode_layer=...) (kernels/decode_layer.py, off by default): at a batch-1
-    decode step every layer is one launch -- the torch backend's tokens, and every decode step's
-    layers took it; prefill and the group size it cannot take (6 query heads over 2) keep the five
-    launches and the same tokens."""
+    decode step every layer is one launch -- the torch backend's tokens, with weights in the
+    model's dtype and in FP8, and every decode step's layers took it; prefill and the group size it
+    cannot take (6 query heads over 2) keep the five launches and the same tokens."""
     import dataclasses
 
     from pagedlab import tiny_config
@@ -94,10 +94,12 @@ def test_one_stream_with_each_layer_in_one_launch(monkeypatch):
     kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
     small = dict(R=8, BK=32, S=4, BLOCK_N=16, PROGRAMS=2, num_warps=4)
     prompt = [[5, 6, 7, 8, 9, 10, 3]]
-    for cfg, fused in ((dataclasses.replace(tiny_config(), num_heads=4), True), (tiny_config(), False)):
-        ref = tiny_llm(config=cfg, attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids
+    four = dataclasses.replace(tiny_config(), num_heads=4)
+    for cfg, fused, q in ((four, True, None), (four, True, "fp8"), (tiny_config(), False, None)):
+        ref = tiny_llm(config=cfg, attention_backend="torch", quantization=q, **kw).generate(prompt, sp)[0].token_ids
         calls.clear()
-        got = tiny_llm(config=cfg, attention_backend="triton", kernel_options=dict(decode_layer=small), **kw)
+        got = tiny_llm(config=cfg, attention_backend="triton", kernel_options=dict(decode_layer=small),
+                       quantization=q, **kw)
         assert got.generate(prompt, sp)[0].token_ids == ref
         assert len(calls) == (3 * cfg.num_layers if fused else 0)      # three decode steps, every layer
     plain = tiny_llm(attention_backend="triton", **kw)                  # off: the default

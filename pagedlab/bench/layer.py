@@ -124,12 +124,14 @@ def main(argv=None):
                         "batch-1 graph replay, the one launch off / on / off (LLM(kernel_options={'decode_layer': "
                         "True})), each a fresh engine in this process, and whether the tokens agree")
     p.add_argument("--skip-layers", action="store_true", help="only --engine")
+    p.add_argument("--weights", default="bf16,fp8", help="bf16 and/or fp8 (e4m3 codes, a scale per row)")
     p.add_argument("--watchdog-s", type=float, default=60.0)
     p.add_argument("--out", default="figures")
     args = p.parse_args(argv)
     require_cuda("bench layer")
     from pagedlab.kernels import select_kernels
-    from pagedlab.kernels.decode_layer import DECODE_LAYER_CONFIG, decode_layer_torch, decode_layer_triton
+    from pagedlab.kernels.decode_layer import DECODE_LAYER_CONFIG, LINEARS, decode_layer_torch, decode_layer_triton
+    from pagedlab.quantization import FP8Weight
     from pagedlab.kernels.launch import sm_count
     from pagedlab.kernels.rope import rope_cos_sin
 
@@ -137,11 +139,11 @@ def main(argv=None):
     meta = metadata("python -m pagedlab bench layer", argv)
     shape = dict(LLAMA_1B, layers=args.layers)
     contexts = [int(c) for c in args.contexts.split(",")]
+    kinds = [k.strip() for k in args.weights.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"bf16", "fp8"}:
+        raise SystemExit(f"bench layer: --weights takes bf16 and/or fp8, got {args.weights!r}")
     print(device_line(meta), flush=True)
     tbs = copy_bandwidth_tbs(dev)
-    layers = make_layers(shape, DTYPE, dev)
-    ref_layers = [{k: v.float() for k, v in layer.items()} for layer in layers]
-    weight_bytes = sum(t.numel() * t.element_size() for t in layers[0].values() if t.dim() == 2)
     cos_sin = rope_cos_sin(shape["head_dim"], shape["theta"], max(contexts) + 1, device=dev)
     ops = select_kernels("triton")
     sms = sm_count(dev)
@@ -150,44 +152,54 @@ def main(argv=None):
         for change in SWEEP:
             c = dict(DECODE_LAYER_CONFIG, **change)
             configs.append(("one launch " + ",".join(f"{k}={v}" for k, v in change.items()), c))
-    print(f"copy bandwidth {tbs:.3f} TB/s; {weight_bytes / 1e6:.1f} MB of weights a layer "
-          f"({weight_bytes / tbs / 1e6:.2f} us a layer at copy speed); {sms} SMs", flush=True)
-    rows = []
-    for context in ([] if args.skip_layers else contexts):
-        seq = make_sequence(shape, context, DTYPE, dev)
-        ref_seq = clone_seq(seq)
-        ref_seq.update(k=[t.float() for t in seq["k"]], v=[t.float() for t in seq["v"]], h=seq["h"].float())
-        ref = one_launch(decode_layer_torch, ref_layers, ref_seq, cos_sin, shape)
-        variants = [("five launches", lambda s: five_launches(ops, layers, s, cos_sin, shape), None)]
-        for name, cfg in configs:
-            variants.append((name, lambda s, cfg=cfg: one_launch(decode_layer_triton, layers, s, cos_sin, shape,
-                                                                 config=cfg), cfg))
-        for name, run, cfg in variants:
-            s = clone_seq(seq)
-            t0 = time.perf_counter()
-            try:
-                out = guarded(f"{name} at context {context}", lambda: run(s), args.watchdog_s)
-            except Exception as e:          # a setting that does not compile (registers, shared memory)
-                print(f"  context {context:>5}  {name:<28} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
-                rows.append(dict(context=context, variant=name, config=cfg, error=f"{type(e).__name__}: {e}"[:400]))
-                continue
-            first_s = time.perf_counter() - t0
-            err = rel_err(out, ref)
-            us = guarded(f"{name} at context {context} (graph)",
-                         lambda: graph_time_us([lambda: run(s)], rounds=args.rounds), args.watchdog_s * 3)
-            per = us / shape["layers"]
-            row = dict(context=context, variant=name, config=cfg, step_us=us, layer_us=per,
-                       weight_tbs=weight_bytes / (per * 1e-6) / 1e12, rel_err_vs_fp32=err, first_call_s=first_s)
-            rows.append(row)
-            print(f"  context {context:>5}  {name:<28} {us:8.1f} us ({per:6.2f} a layer, "
-                  f"{row['weight_tbs']:.2f} TB/s of weights)  err vs fp32 {err:.2e}", flush=True)
-        del seq, ref_seq
-    for context in contexts:
-        base = next((r for r in rows if r["context"] == context and r["variant"] == "five launches"), None)
-        for r in rows:
-            if base and r["context"] == context and "step_us" in r and r is not base:
-                r["vs_five"] = r["step_us"] / base["step_us"]
-    engine = engine_rows(args, contexts[0]) if args.engine else []
+    rows, weight_bytes = [], {}
+    base_layers = [] if args.skip_layers else make_layers(shape, DTYPE, dev)
+    for kind in ([] if args.skip_layers else kinds):
+        layers = base_layers if kind == "bf16" else [quantized(layer) for layer in base_layers]
+        # the reference: the same (dequantized) weights in fp32, the torch composition
+        ref_layers = [{k: (v.dequantize(torch.float32) if isinstance(v, FP8Weight) else v.float())
+                       for k, v in layer.items()} for layer in layers]
+        wb = weight_bytes[kind] = sum(v.num_bytes() if isinstance(v, FP8Weight) else v.numel() * v.element_size()
+                                      for k, v in layers[0].items() if k in LINEARS)
+        print(f"{kind}: copy bandwidth {tbs:.3f} TB/s; {wb / 1e6:.1f} MB of weights a layer "
+              f"({wb / tbs / 1e6:.2f} us a layer at copy speed); {sms} SMs", flush=True)
+        for context in contexts:
+            seq = make_sequence(shape, context, DTYPE, dev)
+            ref_seq = clone_seq(seq)
+            ref_seq.update(k=[t.float() for t in seq["k"]], v=[t.float() for t in seq["v"]], h=seq["h"].float())
+            ref = one_launch(decode_layer_torch, ref_layers, ref_seq, cos_sin, shape)
+            variants = [("five launches", lambda s: five_launches(ops, layers, s, cos_sin, shape), None)]
+            for name, cfg in configs:
+                variants.append((name, lambda s, cfg=cfg: one_launch(decode_layer_triton, layers, s, cos_sin, shape,
+                                                                     config=cfg), cfg))
+            for name, run, cfg in variants:
+                s = clone_seq(seq)
+                t0 = time.perf_counter()
+                where = f"{kind} context {context:>5}  {name:<28}"
+                try:
+                    out = guarded(where, lambda: run(s), args.watchdog_s)
+                except Exception as e:          # a setting that does not compile (registers, shared memory)
+                    print(f"  {where} failed: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    rows.append(dict(weights=kind, context=context, variant=name, config=cfg,
+                                     error=f"{type(e).__name__}: {e}"[:400]))
+                    continue
+                first_s = time.perf_counter() - t0
+                err = rel_err(out, ref)
+                us = guarded(where + " (graph)", lambda: graph_time_us([lambda: run(s)], rounds=args.rounds),
+                             args.watchdog_s * 3)
+                per = us / shape["layers"]
+                row = dict(weights=kind, context=context, variant=name, config=cfg, step_us=us, layer_us=per,
+                           weight_tbs=wb / (per * 1e-6) / 1e12, rel_err_vs_fp32=err, first_call_s=first_s)
+                rows.append(row)
+                print(f"  {where} {us:8.1f} us ({per:6.2f} a layer, {row['weight_tbs']:.2f} TB/s of weights)  "
+                      f"err vs fp32 {err:.2e}", flush=True)
+            del seq, ref_seq
+    for r in rows:
+        base = next((b for b in rows if b["weights"] == r["weights"] and b["context"] == r["context"]
+                     and b["variant"] == "five launches" and "step_us" in b), None)
+        if base is not None and "step_us" in r and r is not base:
+            r["vs_five"] = r["step_us"] / base["step_us"]
+    engine = [row for kind in kinds for row in engine_rows(args, contexts[0], kind)] if args.engine else []
     path = write_json(out_dir(args.out) / "layer_bench.json",
                       dict(meta=meta, copy_tbs=tbs, weight_bytes_per_layer=weight_bytes, shape=shape, rows=rows,
                            engine=engine))
@@ -195,7 +207,14 @@ def main(argv=None):
     return 0
 
 
-def engine_rows(args, context: int) -> list[dict]:
+def quantized(layer: dict) -> dict:
+    """The layer with its linear weights in FP8 (per row, e4m3), as the engine quantizes at load."""
+    from pagedlab.kernels.decode_layer import LINEARS
+    from pagedlab.quantization import quantize_weight
+    return {k: quantize_weight(v.float(), k) if k in LINEARS else v for k, v in layer.items()}
+
+
+def engine_rows(args, context: int, kind: str = "bf16") -> list[dict]:
     """One stream and the batch-1 graph replay (at `context`), the one launch off / on / off."""
     import gc
 
@@ -209,18 +228,19 @@ def engine_rows(args, context: int) -> list[dict]:
     rows, first = [], None
     for name, opts in (("five launches", {}), ("one launch", {"decode_layer": True}), ("five launches again", {})):
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=1, max_model_len=2048,
-                  show_progress=False, kernel_options=opts or None)
+                  show_progress=False, kernel_options=opts or None,
+                  quantization="fp8" if kind == "fp8" else None)
         graph_us, kernels_us = guarded(f"the engine's graph, {name}", lambda: graph_step_us(llm, context),
                                        args.watchdog_s * 3)
         run = guarded(f"one stream, {name}", lambda: one_stream(llm, prompt, keep_tokens=True), args.watchdog_s * 5)
         tokens = run["token_ids"][0]
         first = tokens if first is None else first
         agree = sum(a == b for a, b in zip(tokens, first)) / len(first)
-        row = dict(variant=name, graph_us=graph_us, kernels_us=kernels_us, one_stream_tok_s=run["tokens_per_s"],
+        row = dict(weights=kind, variant=name, graph_us=graph_us, kernels_us=kernels_us, one_stream_tok_s=run["tokens_per_s"],
                    runs_tok_s=run["runs_tokens_per_s"], itl_p50_ms=run["itl_ms"][50],
                    tokens_agree_with_first=agree)
         rows.append(row)
-        print(f"  engine  {name:<22} graph {graph_us:7.1f} us  one stream {run['tokens_per_s']:7.1f} tok/s "
+        print(f"  engine {kind} {name:<22} graph {graph_us:7.1f} us  one stream {run['tokens_per_s']:7.1f} tok/s "
               f"(runs {run['runs_tokens_per_s']})  tokens = first row's at {agree:.3f}", flush=True)
         del llm
         gc.collect()

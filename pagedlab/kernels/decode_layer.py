@@ -18,7 +18,8 @@ runs the programs one after another, never waits at all (the first program does 
 The last program to leave resets the counters, so the next launch (the next layer) starts clean.
 Partial results live in fp32 scratch; the values the five-launch path rounds to the model's dtype
 (normed inputs, q/k/v after RoPE, the attention output, the residual stream, the SwiGLU input) are
-rounded the same way here. Batch 1, decode only, dtype weights (not FP8); shapes as Llama's:
+rounded the same way here. Batch 1, decode only, weights in the model's dtype or FP8 (e4m3 codes,
+a scale per row: quantization.FP8Weight, the scale applied to each row's sum); shapes as Llama's:
 head_dim, the group size, tiles and splits powers of two (check_shapes says what does not fit).
 
 Status (session 26, 2026-12-03): correct on the CPU interpreter against the five-launch
@@ -32,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quantization import FP8Weight
 from . import scratch
 from .decode_attention import decode_attention_torch
 from .gemv import linear_residual_torch, norm_qkv_rope_store_torch, norm_swiglu_torch
@@ -50,6 +52,7 @@ from .online_softmax import LOG2E, online_softmax_update
 DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "PROGRAMS": 0, "PER_SM": 2,
                        "num_warps": 4}
 
+LINEARS = ("qkv", "o", "gate_up", "down")
 N_PHASE_COUNTERS = 5
 N_COUNTERS = 16                     # so at most 11 KV-head groups
 LINE = 32                           # int32s between two counters: each on its own 128-byte line, so the
@@ -115,12 +118,13 @@ def _rope(x_ptr, rows, rmask, d, cos, sin, HD: tl.constexpr):
 @triton.jit
 def _decode_layer_kernel(
         h_ptr, out_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wgu_ptr, wdown_ptr,
+        sqkv_ptr, so_ptr, sgu_ptr, sdown_ptr,
         pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, bt_ptr, seq_ptr,
         qkv_ptr, part_ptr, ml_ptr, mid_ptr, act_ptr, cnt_ptr,
         eps, scale_log2, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr):
+        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -158,6 +162,8 @@ def _decode_layer_kernel(
                 x = tl.load(h_ptr + k0 + kk).to(tl.float32)
                 xn = (x * rstd * tl.load(attn_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
                 acc += tl.sum(wt * xn[None, :], axis=1)
+            if FP8:                                    # W = codes x a scale per row
+                acc = acc * tl.load(sqkv_ptr + rows)
             y = acc.to(DT).to(tl.float32)
             tl.store(qkv_ptr + rows, y)
             _arrive(cnt_ptr + _GROUP + g * _LINE)
@@ -250,6 +256,8 @@ def _decode_layer_kernel(
                 parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
                 o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
                 acc += tl.sum(wt * o[None, :], axis=1)
+            if FP8:
+                acc = acc * tl.load(so_ptr + rows)
             y = (acc + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
             tl.store(mid_ptr + rows, y)
             _arrive(cnt_ptr + _O)
@@ -273,6 +281,9 @@ def _decode_layer_kernel(
                 xn = (x * rstd * tl.load(mlp_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
                 accg += tl.sum(wg * xn[None, :], axis=1)
                 accu += tl.sum(wu * xn[None, :], axis=1)
+            if FP8:
+                accg = accg * tl.load(sgu_ptr + rg)
+                accu = accu * tl.load(sgu_ptr + INTER + rg)
             gt = accg.to(DT).to(tl.float32)
             up = accu.to(DT).to(tl.float32)
             act = (gt / (1.0 + tl.exp(-gt)) * up).to(DT).to(tl.float32)
@@ -290,6 +301,8 @@ def _decode_layer_kernel(
                 else:
                     wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
                 acc += tl.sum(wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :], axis=1)
+            if FP8:
+                acc = acc * tl.load(sdown_ptr + rows)
             y = acc + tl.load(mid_ptr + rows, cache_modifier=".cg")
             tl.store(out_ptr + rows, y.to(DT))
         t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
@@ -305,12 +318,13 @@ def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> st
     def p2(n):
         return n > 0 and n & (n - 1) == 0
     H, nkv, hd = h.shape[-1], k_cache.shape[2], k_cache.shape[3]
-    inter = layer["down"].shape[1] if torch.is_tensor(layer["down"]) else None
+    inter = layer["down"].shape[1]
     R, BK, S, BN = config["R"], config["BK"], config["S"], config["BLOCK_N"]
     if h.shape[0] != 1:
         return f"one decode token only (got {h.shape[0]} rows)"
-    if inter is None or not all(torch.is_tensor(layer[k]) for k in ("qkv", "o", "gate_up", "down")):
-        return "dtype weights only (FP8 not yet)"
+    kinds = {isinstance(layer[k], FP8Weight) for k in LINEARS}
+    if len(kinds) != 1 or not all(isinstance(layer[k], FP8Weight) or torch.is_tensor(layer[k]) for k in LINEARS):
+        return "the four linear weights all in the model's dtype, or all FP8Weight"
     if num_heads % nkv or nkv + N_PHASE_COUNTERS > N_COUNTERS:
         return (f"{num_heads} query heads over {nkv} KV heads: a whole group each, "
                 f"at most {N_COUNTERS - N_PHASE_COUNTERS} groups")
@@ -344,17 +358,20 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
     sc = _scratch(h.device, H, inter, num_heads, nkv, hd, S)
     out = torch.empty_like(h) if out is None else out
     programs = config["PROGRAMS"] or config["PER_SM"] * sm_count(h.device)
-    for t in (h, layer["qkv"], layer["o"], layer["gate_up"], layer["down"]):
+    fp8 = isinstance(layer["qkv"], FP8Weight)
+    # (an FP8Weight: its e4m3 codes and fp32 scale per row; a dtype weight: itself, no scales)
+    ws = [(layer[k].q, layer[k].scale) if fp8 else (layer[k], layer[k]) for k in LINEARS]
+    for t in [h] + [w for w, _ in ws]:
         assert t.is_contiguous()
     assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
     _decode_layer_kernel[(programs,)](
-        h, out, layer["attn_norm"], layer["qkv"], layer["o"], layer["mlp_norm"], layer["gate_up"],
-        layer["down"], positions, cos_sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
+        h, out, layer["attn_norm"], ws[0][0], ws[1][0], layer["mlp_norm"], ws[2][0], ws[3][0],
+        ws[0][1], ws[1][1], ws[2][1], ws[3][1], positions, cos_sin, k_cache, v_cache, slot_mapping, block_table, seq_lens,
         sc["qkv"], sc["part"], sc["ml"], sc["mid"], sc["act"], sc["cnt"],
         eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
         S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
-        IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]),
+        IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]), FP8=fp8,
         num_warps=config["num_warps"])
     return out
