@@ -109,6 +109,8 @@ def test_one_launch_equals_the_five(dtype, context, dot, weights):
 
 
 def test_counters_reset_and_a_second_launch_gives_the_same_layer():
+    """Two launches in a row, and one taking its tiles three at a time: the same layer, bit for bit,
+    and every counter back at zero."""
     dtype = DTYPES[0]
     layer = make_layer(dtype, seed=5)
     case = make_case(dtype, CONTEXTS[-1], seed=5)
@@ -118,6 +120,9 @@ def test_counters_reset_and_a_second_launch_gives_the_same_layer():
     assert int(sc["cnt"].abs().sum()) == 0            # the last program out left them at zero
     b, kc_b, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=CONFIG)
     assert torch.equal(a, b) and torch.equal(kc_a, kc_b)
+    # tiles taken three at a time (the count is no multiple of 3): the same tiles, the same layer
+    c, kc_c, _ = run(dl.decode_layer_triton, layer, case, cos_sin, config=dict(CONFIG, GRAB=3))
+    assert torch.equal(a, c) and torch.equal(kc_a, kc_c) and int(sc["cnt"].abs().sum()) == 0
 
 
 def test_what_does_not_fit_is_named():

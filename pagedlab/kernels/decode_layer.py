@@ -42,15 +42,16 @@ from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
 # step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
-# DOT (1: the attention's products on tensor cores, the group padded to 16 rows; 0: CUDA cores),
+# DOT (1: the attention's products on tensor cores, the group padded to 16 rows; 0: CUDA cores), GRAB
+# tiles taken from the queue at a time (one atomic for GRAB tiles; 4 costs 240 registers on sm90),
 # PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
 # loads in flight; the queue needs none of them resident to make progress). Registers a thread,
 # compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 168 / 212 /
 # 168 under Triton 3.6, 167 / 167 / 167 under 3.9, no stack -- two programs of 4 warps fit an SM;
 # DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90; BLOCK_N 32 or more: 255 and spills (docs/kernels.md,
 # session 26). Not tuned on a GPU yet: `bench layer --sweep`.
-DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "PROGRAMS": 0, "PER_SM": 2,
-                       "num_warps": 4}
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "GRAB": 1, "PROGRAMS": 0,
+                       "PER_SM": 2, "num_warps": 4}
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 N_PHASE_COUNTERS = 5
@@ -124,7 +125,7 @@ def _decode_layer_kernel(
         eps, scale_log2, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr):
+        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr, GRAB: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -145,167 +146,171 @@ def _decode_layer_kernel(
     kk = tl.arange(0, BK)
     d = tl.arange(0, HD)
 
-    t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
-    while t < TOTAL:
-        if t < N_QKV:
-            # ---- QKV rows of one head, group by group: y = W (rmsnorm(h) * w_norm), fp32 scratch
-            g = t // G_T
-            w = t % G_T
-            row0 = tl.where(w < GQA * TPH, g * GQA * HD + w * R,
-                            tl.where(w < (GQA + 1) * TPH, QD + g * HD + (w - GQA * TPH) * R,
-                                     QD + NKV * HD + g * HD + (w - (GQA + 1) * TPH) * R))
-            rows = row0 + r
-            rstd = _rstd(h_ptr, H, BK, eps, False)
-            acc = tl.zeros([R], dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                wt = tl.load(wqkv_ptr + rows[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
-                x = tl.load(h_ptr + k0 + kk).to(tl.float32)
-                xn = (x * rstd * tl.load(attn_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
-                acc += tl.sum(wt * xn[None, :], axis=1)
-            if FP8:                                    # W = codes x a scale per row
-                acc = acc * tl.load(sqkv_ptr + rows)
-            y = acc.to(DT).to(tl.float32)
-            tl.store(qkv_ptr + rows, y)
-            _arrive(cnt_ptr + _GROUP + g * _LINE)
-        elif t < E_ATT:
-            # ---- attention of one KV-head group over one split of the context (flash-decoding);
-            # the split holding the newest position also rotates + stores this token's K and V
-            a = t - N_QKV
-            g = a // S
-            s = a % S
-            _wait(cnt_ptr + _GROUP + g * _LINE, G_T)
-            pos = tl.load(pos_ptr)
-            seq = tl.load(seq_ptr)
-            cos = tl.load(cs_ptr + pos * HD + d % HALF)
-            sin = tl.load(cs_ptr + pos * HD + HALF + d % HALF)
-            j = tl.arange(0, GP)                       # the group's query heads, padded for tl.dot
-            jm = j < GQA
-            CDT = kc_ptr.dtype.element_ty
-            q = _rope(qkv_ptr, g * GQA + j, jm, d, cos, sin, HD).to(DT).to(CDT)              # [GP, HD]
-            chunk = (seq + S - 1) // S
-            start = s * chunk
-            end = tl.minimum(start + chunk, seq)
-            last = seq - 1                                                   # this token's position
-            stop = tl.minimum(end, last)                                     # the cached keys' end
-            sl = scale_log2                                                  # scores in log2 units
-            m = tl.full([GP], -1.0e30, dtype=tl.float32)
-            l = tl.zeros([GP], dtype=tl.float32)
-            acc = tl.zeros([GP, HD], dtype=tl.float32)
-            for n0 in range(start, stop, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)
-                valid = n < stop
-                page = tl.load(bt_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
-                kt = tl.load(kc_ptr + page[:, None] * stride_cb + (n % PAGE)[:, None] * stride_cs
-                             + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0)
-                vt = tl.load(vc_ptr + page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs
-                             + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-                if DOT:                                    # tensor cores (the group padded to 16 rows)
-                    if IEEE:
-                        sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * sl
-                    else:
-                        sc = tl.dot(q, tl.trans(kt)) * sl
-                    sc = tl.where(valid[None, :], sc, float("-inf"))
-                    acc, m, l = online_softmax_update(acc, m, l, sc, vt, IEEE)
-                else:                                      # CUDA cores: [G, BLOCK_N, D] products
-                    sc = tl.sum(q.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * sl
-                    sc = tl.where(valid[None, :], sc, float("-inf"))
-                    m_new = tl.maximum(m, tl.max(sc, axis=1))
+    t0 = tl.atomic_add(cnt_ptr + _QUEUE, GRAB)            # GRAB tiles at a time, in order
+    while t0 < TOTAL:
+        for gi in range(GRAB):
+            t = t0 + gi
+            if t >= TOTAL:
+                pass
+            elif t < N_QKV:
+                # ---- QKV rows of one head, group by group: y = W (rmsnorm(h) * w_norm), fp32 scratch
+                g = t // G_T
+                w = t % G_T
+                row0 = tl.where(w < GQA * TPH, g * GQA * HD + w * R,
+                                tl.where(w < (GQA + 1) * TPH, QD + g * HD + (w - GQA * TPH) * R,
+                                         QD + NKV * HD + g * HD + (w - (GQA + 1) * TPH) * R))
+                rows = row0 + r
+                rstd = _rstd(h_ptr, H, BK, eps, False)
+                acc = tl.zeros([R], dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    wt = tl.load(wqkv_ptr + rows[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                    x = tl.load(h_ptr + k0 + kk).to(tl.float32)
+                    xn = (x * rstd * tl.load(attn_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
+                    acc += tl.sum(wt * xn[None, :], axis=1)
+                if FP8:                                    # W = codes x a scale per row
+                    acc = acc * tl.load(sqkv_ptr + rows)
+                y = acc.to(DT).to(tl.float32)
+                tl.store(qkv_ptr + rows, y)
+                _arrive(cnt_ptr + _GROUP + g * _LINE)
+            elif t < E_ATT:
+                # ---- attention of one KV-head group over one split of the context (flash-decoding);
+                # the split holding the newest position also rotates + stores this token's K and V
+                a = t - N_QKV
+                g = a // S
+                s = a % S
+                _wait(cnt_ptr + _GROUP + g * _LINE, G_T)
+                pos = tl.load(pos_ptr)
+                seq = tl.load(seq_ptr)
+                cos = tl.load(cs_ptr + pos * HD + d % HALF)
+                sin = tl.load(cs_ptr + pos * HD + HALF + d % HALF)
+                j = tl.arange(0, GP)                       # the group's query heads, padded for tl.dot
+                jm = j < GQA
+                CDT = kc_ptr.dtype.element_ty
+                q = _rope(qkv_ptr, g * GQA + j, jm, d, cos, sin, HD).to(DT).to(CDT)              # [GP, HD]
+                chunk = (seq + S - 1) // S
+                start = s * chunk
+                end = tl.minimum(start + chunk, seq)
+                last = seq - 1                                                   # this token's position
+                stop = tl.minimum(end, last)                                     # the cached keys' end
+                sl = scale_log2                                                  # scores in log2 units
+                m = tl.full([GP], -1.0e30, dtype=tl.float32)
+                l = tl.zeros([GP], dtype=tl.float32)
+                acc = tl.zeros([GP, HD], dtype=tl.float32)
+                for n0 in range(start, stop, BLOCK_N):
+                    n = n0 + tl.arange(0, BLOCK_N)
+                    valid = n < stop
+                    page = tl.load(bt_ptr + n // PAGE, mask=valid, other=0).to(tl.int64)
+                    kt = tl.load(kc_ptr + page[:, None] * stride_cb + (n % PAGE)[:, None] * stride_cs
+                                 + g * stride_ch + d[None, :], mask=valid[:, None], other=0.0)
+                    vt = tl.load(vc_ptr + page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs
+                                 + g * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+                    if DOT:                                    # tensor cores (the group padded to 16 rows)
+                        if IEEE:
+                            sc = tl.dot(q, tl.trans(kt), input_precision="ieee") * sl
+                        else:
+                            sc = tl.dot(q, tl.trans(kt)) * sl
+                        sc = tl.where(valid[None, :], sc, float("-inf"))
+                        acc, m, l = online_softmax_update(acc, m, l, sc, vt, IEEE)
+                    else:                                      # CUDA cores: [G, BLOCK_N, D] products
+                        sc = tl.sum(q.to(tl.float32)[:, None, :] * kt.to(tl.float32)[None, :, :], axis=2) * sl
+                        sc = tl.where(valid[None, :], sc, float("-inf"))
+                        m_new = tl.maximum(m, tl.max(sc, axis=1))
+                        alpha = tl.exp2(m - m_new)
+                        pr = tl.exp2(sc - m_new[:, None])
+                        l = l * alpha + tl.sum(pr, axis=1)
+                        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
+                        m = m_new
+                if (start <= last) & (last < end):
+                    one = tl.arange(0, 1)
+                    k_new = _rope(qkv_ptr + QD, g + one, one < 1, d, cos, sin, HD).to(CDT)      # [1, HD]
+                    v_new = tl.load(qkv_ptr + QD + NKV * HD + g * HD + d, cache_modifier=".cg").to(CDT)
+                    slot = tl.load(slot_ptr).to(tl.int64)
+                    tl.store(kc_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + g * stride_ch
+                             + d[None, :], k_new)
+                    tl.store(vc_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d,
+                             v_new)
+                    sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sl              # [GP]
+                    m_new = tl.maximum(m, sc)
                     alpha = tl.exp2(m - m_new)
-                    pr = tl.exp2(sc - m_new[:, None])
-                    l = l * alpha + tl.sum(pr, axis=1)
-                    acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt.to(tl.float32)[None, :, :], axis=1)
+                    p = tl.exp2(sc - m_new)
+                    l = l * alpha + p
+                    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
                     m = m_new
-            if (start <= last) & (last < end):
-                one = tl.arange(0, 1)
-                k_new = _rope(qkv_ptr + QD, g + one, one < 1, d, cos, sin, HD).to(CDT)      # [1, HD]
-                v_new = tl.load(qkv_ptr + QD + NKV * HD + g * HD + d, cache_modifier=".cg").to(CDT)
-                slot = tl.load(slot_ptr).to(tl.int64)
-                tl.store(kc_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + g * stride_ch
-                         + d[None, :], k_new)
-                tl.store(vc_ptr + (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + g * stride_vh + d,
-                         v_new)
-                sc = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * sl              # [GP]
-                m_new = tl.maximum(m, sc)
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(sc - m_new)
-                l = l * alpha + p
-                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-                m = m_new
-            hrow = g * GQA + j
-            tl.store(part_ptr + (hrow[:, None] * S + s) * HD + d[None, :], acc, mask=jm[:, None])
-            tl.store(ml_ptr + (hrow * S + s) * 2, m, mask=jm)
-            tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l, mask=jm)
-            _arrive(cnt_ptr + _ATTN)
-        elif t < E_O:
-            # ---- O rows: its first weights before the wait; the splits merged head by head in
-            # the loop; + the residual
-            rows = (t - E_ATT) * R + r
-            w0 = tl.load(wo_ptr + rows[:, None] * QD + d[None, :]).to(tl.float32)
-            _wait(cnt_ptr + _ATTN, N_ATT)
-            sp = tl.arange(0, S)
-            acc = tl.zeros([R], dtype=tl.float32)
-            for hq in range(0, NQ):
-                if hq == 0:
-                    wt = w0
-                else:
-                    wt = tl.load(wo_ptr + rows[:, None] * QD + hq * HD + d[None, :]).to(tl.float32)
-                ms = tl.load(ml_ptr + (hq * S + sp) * 2, cache_modifier=".cg")
-                ls = tl.load(ml_ptr + (hq * S + sp) * 2 + 1, cache_modifier=".cg")
-                mx = tl.max(ms, axis=0)
-                f = tl.exp2(ms - mx)                       # (log2 units, as the splits kept them)
-                parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
-                o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
-                acc += tl.sum(wt * o[None, :], axis=1)
-            if FP8:
-                acc = acc * tl.load(so_ptr + rows)
-            y = (acc + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
-            tl.store(mid_ptr + rows, y)
-            _arrive(cnt_ptr + _O)
-        elif t < E_GU:
-            # ---- R/2 gate rows and their R/2 up rows: silu(gate) * up of rmsnorm(mid)
-            rg = (t - E_O) * RG + tl.arange(0, RG)
-            wg0 = tl.load(wgu_ptr + rg[:, None] * H + kk[None, :]).to(tl.float32)
-            wu0 = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + kk[None, :]).to(tl.float32)
-            _wait(cnt_ptr + _O, N_O)
-            rstd = _rstd(mid_ptr, H, BK, eps, True)
-            accg = tl.zeros([RG], dtype=tl.float32)
-            accu = tl.zeros([RG], dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                if k0 == 0:
-                    wg = wg0
-                    wu = wu0
-                else:
-                    wg = tl.load(wgu_ptr + rg[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
-                    wu = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
-                x = tl.load(mid_ptr + k0 + kk, cache_modifier=".cg")
-                xn = (x * rstd * tl.load(mlp_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
-                accg += tl.sum(wg * xn[None, :], axis=1)
-                accu += tl.sum(wu * xn[None, :], axis=1)
-            if FP8:
-                accg = accg * tl.load(sgu_ptr + rg)
-                accu = accu * tl.load(sgu_ptr + INTER + rg)
-            gt = accg.to(DT).to(tl.float32)
-            up = accu.to(DT).to(tl.float32)
-            act = (gt / (1.0 + tl.exp(-gt)) * up).to(DT).to(tl.float32)
-            tl.store(act_ptr + rg, act)
-            _arrive(cnt_ptr + _GU)
-        else:
-            # ---- down rows + the residual: the layer's output
-            rows = (t - E_GU) * R + r
-            w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kk[None, :]).to(tl.float32)
-            _wait(cnt_ptr + _GU, N_GU)
-            acc = tl.zeros([R], dtype=tl.float32)
-            for k0 in range(0, INTER, BK):
-                if k0 == 0:
-                    wt = w0
-                else:
-                    wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
-                acc += tl.sum(wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :], axis=1)
-            if FP8:
-                acc = acc * tl.load(sdown_ptr + rows)
-            y = acc + tl.load(mid_ptr + rows, cache_modifier=".cg")
-            tl.store(out_ptr + rows, y.to(DT))
-        t = tl.atomic_add(cnt_ptr + _QUEUE, 1)
+                hrow = g * GQA + j
+                tl.store(part_ptr + (hrow[:, None] * S + s) * HD + d[None, :], acc, mask=jm[:, None])
+                tl.store(ml_ptr + (hrow * S + s) * 2, m, mask=jm)
+                tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l, mask=jm)
+                _arrive(cnt_ptr + _ATTN)
+            elif t < E_O:
+                # ---- O rows: its first weights before the wait; the splits merged head by head in
+                # the loop; + the residual
+                rows = (t - E_ATT) * R + r
+                w0 = tl.load(wo_ptr + rows[:, None] * QD + d[None, :]).to(tl.float32)
+                _wait(cnt_ptr + _ATTN, N_ATT)
+                sp = tl.arange(0, S)
+                acc = tl.zeros([R], dtype=tl.float32)
+                for hq in range(0, NQ):
+                    if hq == 0:
+                        wt = w0
+                    else:
+                        wt = tl.load(wo_ptr + rows[:, None] * QD + hq * HD + d[None, :]).to(tl.float32)
+                    ms = tl.load(ml_ptr + (hq * S + sp) * 2, cache_modifier=".cg")
+                    ls = tl.load(ml_ptr + (hq * S + sp) * 2 + 1, cache_modifier=".cg")
+                    mx = tl.max(ms, axis=0)
+                    f = tl.exp2(ms - mx)                       # (log2 units, as the splits kept them)
+                    parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
+                    o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
+                    acc += tl.sum(wt * o[None, :], axis=1)
+                if FP8:
+                    acc = acc * tl.load(so_ptr + rows)
+                y = (acc + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
+                tl.store(mid_ptr + rows, y)
+                _arrive(cnt_ptr + _O)
+            elif t < E_GU:
+                # ---- R/2 gate rows and their R/2 up rows: silu(gate) * up of rmsnorm(mid)
+                rg = (t - E_O) * RG + tl.arange(0, RG)
+                wg0 = tl.load(wgu_ptr + rg[:, None] * H + kk[None, :]).to(tl.float32)
+                wu0 = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + kk[None, :]).to(tl.float32)
+                _wait(cnt_ptr + _O, N_O)
+                rstd = _rstd(mid_ptr, H, BK, eps, True)
+                accg = tl.zeros([RG], dtype=tl.float32)
+                accu = tl.zeros([RG], dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    if k0 == 0:
+                        wg = wg0
+                        wu = wu0
+                    else:
+                        wg = tl.load(wgu_ptr + rg[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                        wu = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
+                    x = tl.load(mid_ptr + k0 + kk, cache_modifier=".cg")
+                    xn = (x * rstd * tl.load(mlp_norm_ptr + k0 + kk).to(tl.float32)).to(DT).to(tl.float32)
+                    accg += tl.sum(wg * xn[None, :], axis=1)
+                    accu += tl.sum(wu * xn[None, :], axis=1)
+                if FP8:
+                    accg = accg * tl.load(sgu_ptr + rg)
+                    accu = accu * tl.load(sgu_ptr + INTER + rg)
+                gt = accg.to(DT).to(tl.float32)
+                up = accu.to(DT).to(tl.float32)
+                act = (gt / (1.0 + tl.exp(-gt)) * up).to(DT).to(tl.float32)
+                tl.store(act_ptr + rg, act)
+                _arrive(cnt_ptr + _GU)
+            else:
+                # ---- down rows + the residual: the layer's output
+                rows = (t - E_GU) * R + r
+                w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kk[None, :]).to(tl.float32)
+                _wait(cnt_ptr + _GU, N_GU)
+                acc = tl.zeros([R], dtype=tl.float32)
+                for k0 in range(0, INTER, BK):
+                    if k0 == 0:
+                        wt = w0
+                    else:
+                        wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
+                    acc += tl.sum(wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :], axis=1)
+                if FP8:
+                    acc = acc * tl.load(sdown_ptr + rows)
+                y = acc + tl.load(mid_ptr + rows, cache_modifier=".cg")
+                tl.store(out_ptr + rows, y.to(DT))
+        t0 = tl.atomic_add(cnt_ptr + _QUEUE, GRAB)
     # the last program out resets every counter for the next launch
     left = tl.atomic_add(cnt_ptr + _LEFT, 1, sem="acq_rel")
     if left == tl.num_programs(0) - 1:
@@ -371,7 +376,7 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
-        S=S, BLOCK_N=config["BLOCK_N"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
+        S=S, BLOCK_N=config["BLOCK_N"], GRAB=config["GRAB"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
         IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]), FP8=fp8,
         num_warps=config["num_warps"])
     return out
