@@ -93,15 +93,15 @@ def _arrive(cnt_ptr):
 
 
 @triton.jit
-def _rstd(x_ptr, H: tl.constexpr, BK: tl.constexpr, eps, CG: tl.constexpr):
-    ss = tl.zeros([BK], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        if CG:
-            x = tl.load(x_ptr + k0 + tl.arange(0, BK), cache_modifier=".cg")
-        else:
-            x = tl.load(x_ptr + k0 + tl.arange(0, BK)).to(tl.float32)
-        ss += x * x
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / H + eps)
+def _rstd(x_ptr, H: tl.constexpr, HP: tl.constexpr, eps, CG: tl.constexpr):
+    """1 / rms of the H values at x_ptr, read in ONE load of the whole vector (HP: H rounded up to a
+    power of two): a loop of slices would wait for L2 once a slice, and a tile waits on this."""
+    k = tl.arange(0, HP)
+    if CG:
+        x = tl.load(x_ptr + k, mask=k < H, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + k, mask=k < H, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
 
 
 @triton.jit
@@ -125,7 +125,8 @@ def _decode_layer_kernel(
         eps, scale_log2, stride_cb, stride_cs, stride_ch, stride_vb, stride_vs, stride_vh,
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
-        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr, GRAB: tl.constexpr):
+        GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr, GRAB: tl.constexpr,
+        HP: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -160,7 +161,7 @@ def _decode_layer_kernel(
                                 tl.where(w < (GQA + 1) * TPH, QD + g * HD + (w - GQA * TPH) * R,
                                          QD + NKV * HD + g * HD + (w - (GQA + 1) * TPH) * R))
                 rows = row0 + r
-                rstd = _rstd(h_ptr, H, BK, eps, False)
+                rstd = _rstd(h_ptr, H, HP, eps, False)
                 acc = tl.zeros([R], dtype=tl.float32)
                 for k0 in range(0, H, BK):
                     wt = tl.load(wqkv_ptr + rows[:, None] * H + (k0 + kk)[None, :]).to(tl.float32)
@@ -272,7 +273,7 @@ def _decode_layer_kernel(
                 wg0 = tl.load(wgu_ptr + rg[:, None] * H + kk[None, :]).to(tl.float32)
                 wu0 = tl.load(wgu_ptr + (INTER + rg)[:, None] * H + kk[None, :]).to(tl.float32)
                 _wait(cnt_ptr + _O, N_O)
-                rstd = _rstd(mid_ptr, H, BK, eps, True)
+                rstd = _rstd(mid_ptr, H, HP, eps, True)
                 accg = tl.zeros([RG], dtype=tl.float32)
                 accu = tl.zeros([RG], dtype=tl.float32)
                 for k0 in range(0, H, BK):
@@ -376,7 +377,7 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
-        S=S, BLOCK_N=config["BLOCK_N"], GRAB=config["GRAB"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
+        S=S, BLOCK_N=config["BLOCK_N"], GRAB=config["GRAB"], HP=triton.next_power_of_2(H), GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
         IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]), FP8=fp8,
         num_warps=config["num_warps"])
     return out
