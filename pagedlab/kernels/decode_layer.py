@@ -131,6 +131,7 @@ def _decode_layer_kernel(
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
     HALF: tl.constexpr = HD // 2
+    HPI: tl.constexpr = BK // HD                      # heads an O step merges
     TPH: tl.constexpr = HD // R                       # QKV tiles a head
     G_T: tl.constexpr = (GQA + 2) * TPH               # QKV tiles a group (its q heads, k, v)
     N_QKV: tl.constexpr = NKV * G_T
@@ -243,25 +244,30 @@ def _decode_layer_kernel(
                 tl.store(ml_ptr + (hrow * S + s) * 2 + 1, l, mask=jm)
                 _arrive(cnt_ptr + _ATTN)
             elif t < E_O:
-                # ---- O rows: its first weights before the wait; the splits merged head by head in
-                # the loop; + the residual
+                # ---- O rows: its first weights before the wait; the splits merged BK // HD heads
+                # at a time in the loop (a step of the loop is one wait on memory); + the residual
                 rows = (t - E_ATT) * R + r
-                w0 = tl.load(wo_ptr + rows[:, None] * QD + d[None, :]).to(tl.float32)
+                hh = tl.arange(0, HPI)
+                wcols = hh[None, :, None] * HD + d[None, None, :]                    # [1, HPI, HD]
+                w0 = tl.load(wo_ptr + rows[:, None, None] * QD + wcols).to(tl.float32)
                 _wait(cnt_ptr + _ATTN, N_ATT)
                 sp = tl.arange(0, S)
                 acc = tl.zeros([R], dtype=tl.float32)
-                for hq in range(0, NQ):
-                    if hq == 0:
+                for k0 in range(0, QD, BK):
+                    if k0 == 0:
                         wt = w0
                     else:
-                        wt = tl.load(wo_ptr + rows[:, None] * QD + hq * HD + d[None, :]).to(tl.float32)
-                    ms = tl.load(ml_ptr + (hq * S + sp) * 2, cache_modifier=".cg")
-                    ls = tl.load(ml_ptr + (hq * S + sp) * 2 + 1, cache_modifier=".cg")
-                    mx = tl.max(ms, axis=0)
-                    f = tl.exp2(ms - mx)                       # (log2 units, as the splits kept them)
-                    parts = tl.load(part_ptr + (hq * S + sp[:, None]) * HD + d[None, :], cache_modifier=".cg")
-                    o = (tl.sum(f[:, None] * parts, axis=0) / tl.sum(f * ls, axis=0)).to(DT).to(tl.float32)
-                    acc += tl.sum(wt * o[None, :], axis=1)
+                        wt = tl.load(wo_ptr + rows[:, None, None] * QD + k0 + wcols).to(tl.float32)
+                    hs = k0 // HD + hh                                                  # [HPI] heads
+                    ms = tl.load(ml_ptr + (hs[:, None] * S + sp[None, :]) * 2, cache_modifier=".cg")
+                    ls = tl.load(ml_ptr + (hs[:, None] * S + sp[None, :]) * 2 + 1, cache_modifier=".cg")
+                    parts = tl.load(part_ptr + ((hs[:, None, None] * S + sp[None, :, None]) * HD
+                                                + d[None, None, :]), cache_modifier=".cg")   # [HPI, S, HD]
+                    mx = tl.max(ms, axis=1)
+                    f = tl.exp2(ms - mx[:, None])              # (log2 units, as the splits kept them)
+                    o = tl.sum(f[:, :, None] * parts, axis=1) / tl.sum(f * ls, axis=1)[:, None]
+                    o = o.to(DT).to(tl.float32)                                          # [HPI, HD]
+                    acc += tl.sum(tl.sum(wt * o[None, :, :], axis=2), axis=1)
                 if FP8:
                     acc = acc * tl.load(so_ptr + rows)
                 y = (acc + tl.load(h_ptr + rows).to(tl.float32)).to(DT).to(tl.float32)
@@ -337,8 +343,9 @@ def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> st
     if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN)) or R < 2 or hd < 16 or BN < 16:
         return ("head_dim, the group size, R, BK, S and BLOCK_N must be powers of two "
                 "(R >= 2; head_dim and BLOCK_N >= 16: tl.dot)")
-    if hd % R or H % R or H % BK or inter % BK or inter % (R // 2):
-        return f"hidden {H}, intermediate {inter} and head_dim {hd} must be multiples of R={R} (and BK={BK})"
+    if hd % R or H % R or H % BK or inter % BK or inter % (R // 2) or BK % hd or num_heads * hd % BK:
+        return (f"hidden {H}, intermediate {inter} and head_dim {hd} must be multiples of R={R}; hidden, "
+                f"intermediate and the query width {num_heads * hd} of BK={BK}; BK of head_dim")
     return None
 
 
