@@ -38,7 +38,7 @@ def layer_source(cfg: dict, dt: str, fp8: bool = False) -> ASTSource:
     types.update({n: "*fp32" for n in ("cs_ptr", "qkv_ptr", "part_ptr", "ml_ptr", "mid_ptr", "act_ptr")})
     const = dict(H=2048, INTER=8192, NQ=32, NKV=8, HD=64, PAGE=16, R=cfg["R"], BK=cfg["BK"], S=cfg["S"],
                  BLOCK_N=cfg["BLOCK_N"], GP=16 if cfg["DOT"] else 4, IEEE=False, DOT=bool(cfg["DOT"]), FP8=fp8,
-                 GRAB=cfg["GRAB"], HP=2048)
+                 GRAB=cfg["GRAB"], HP=2048, DOWN=cfg["DOWN"])
     sig = {n: types.get(n, "constexpr") for n in names}
     missing = [n for n in names if sig[n] == "constexpr" and n not in const]
     if missing:

@@ -92,7 +92,7 @@ def test_one_stream_with_each_layer_in_one_launch(monkeypatch):
     monkeypatch.setattr(dl, "decode_layer_triton", spy)
     sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
     kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
-    small = dict(R=8, BK=32, S=4, BLOCK_N=16, PROGRAMS=2, num_warps=4)
+    small = dict(R=8, BK=32, DOWN=1, S=4, BLOCK_N=16, PROGRAMS=2, num_warps=4)
     prompt = [[5, 6, 7, 8, 9, 10, 3]]
     four = dataclasses.replace(tiny_config(), num_heads=4)
     for cfg, fused, q in ((four, True, None), (four, True, "fp8"), (tiny_config(), False, None)):

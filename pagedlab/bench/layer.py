@@ -7,8 +7,8 @@ pool, at each --contexts length. For each variant: the GPU time of the 16 layers
 CUDA graph (median of rounds), per layer, and the weight bytes over that time (TB/s, against the
 copy bandwidth measured in the same run); and the largest difference of the 16 layers' output from
 the same layers in fp32 (torch), relative to its largest value -- the one launch must be as close
-as the five. --sweep also times the one launch at other settings (R, BK, S, BLOCK_N, DOT, GRAB, PER_SM,
-num_warps: kernels/decode_layer.py). A launch that does not finish within --watchdog-s seconds (a
+as the five. --sweep also times the one launch at other settings (R, BK, DOWN, S, BLOCK_N, DOT, GRAB,
+PER_SM, num_warps: kernels/decode_layer.py). A launch that does not finish within --watchdog-s seconds (a
 wait that never ends) is named in one line and the process killed (status 137 in a shell). Writes layer_bench.json.
 """
 from __future__ import annotations
@@ -29,7 +29,8 @@ DEVICE, DTYPE = "cuda", torch.bfloat16     # (the tests run the command on the C
 LLAMA_1B = dict(hidden=2048, inter=8192, heads=32, kv_heads=8, head_dim=64, layers=16, theta=500000.0)
 SWEEP = [dict(PER_SM=1), dict(PER_SM=3), dict(PER_SM=4), dict(DOT=1, num_warps=8, PER_SM=1),
          dict(DOT=1, num_warps=8), dict(num_warps=8, PER_SM=1), dict(R=8), dict(R=32), dict(BK=128), dict(BK=512),
-         dict(S=4), dict(S=16), dict(BLOCK_N=32, num_warps=8), dict(GRAB=2), dict(GRAB=4, PER_SM=1)]
+         dict(S=4), dict(S=16), dict(BLOCK_N=32, num_warps=8), dict(GRAB=2), dict(GRAB=4, PER_SM=1),
+         dict(DOWN=1), dict(DOWN=2), dict(DOWN=8)]
 
 
 def make_layers(shape, dtype, device, seed=0):

@@ -41,7 +41,7 @@ from .launch import sm_count
 from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
-# step of its loop, S attention splits of the context per KV head, BLOCK_N keys a step of a split,
+# step of its loop (down: R/DOWN rows, BK*DOWN columns), S attention splits of the context per KV head, BLOCK_N keys a step of a split,
 # DOT (1: the attention's products on tensor cores, the group padded to 16 rows; 0: CUDA cores), GRAB
 # tiles taken from the queue at a time (one atomic for GRAB tiles; 4 costs 240 registers on sm90),
 # PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
@@ -50,8 +50,8 @@ from .online_softmax import LOG2E, online_softmax_update
 # 168 under Triton 3.6, 167 / 167 / 167 under 3.9, no stack -- two programs of 4 warps fit an SM;
 # DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90; BLOCK_N 32 or more: 255 and spills (docs/kernels.md,
 # session 26). Not tuned on a GPU yet: `bench layer --sweep`.
-DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "S": 8, "BLOCK_N": 16, "DOT": 0, "GRAB": 1, "PROGRAMS": 0,
-                       "PER_SM": 2, "num_warps": 4}
+DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "DOWN": 4, "S": 8, "BLOCK_N": 16, "DOT": 0, "GRAB": 1,
+                       "PROGRAMS": 0, "PER_SM": 2, "num_warps": 4}
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 N_PHASE_COUNTERS = 5
@@ -126,7 +126,7 @@ def _decode_layer_kernel(
         H: tl.constexpr, INTER: tl.constexpr, NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
         PAGE: tl.constexpr, R: tl.constexpr, BK: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
         GP: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr, GRAB: tl.constexpr,
-        HP: tl.constexpr):
+        HP: tl.constexpr, DOWN: tl.constexpr):
     DT = h_ptr.dtype.element_ty                       # the model's dtype: what the five launches round to
     GQA: tl.constexpr = NQ // NKV
     QD: tl.constexpr = NQ * HD
@@ -139,7 +139,9 @@ def _decode_layer_kernel(
     N_O: tl.constexpr = H // R
     RG: tl.constexpr = R // 2
     N_GU: tl.constexpr = INTER // RG
-    N_DN: tl.constexpr = H // R
+    RD: tl.constexpr = R // DOWN
+    BKD: tl.constexpr = BK * DOWN
+    N_DN: tl.constexpr = H // RD
     E_ATT: tl.constexpr = N_QKV + N_ATT
     E_O: tl.constexpr = E_ATT + N_O
     E_GU: tl.constexpr = E_O + N_GU
@@ -302,17 +304,20 @@ def _decode_layer_kernel(
                 tl.store(act_ptr + rg, act)
                 _arrive(cnt_ptr + _GU)
             else:
-                # ---- down rows + the residual: the layer's output
-                rows = (t - E_GU) * R + r
-                w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kk[None, :]).to(tl.float32)
+                # ---- down rows + the residual: the layer's output. Its K (the intermediate size)
+                # is DOWN times longer, so its tiles are DOWN times narrower in rows and wider in
+                # columns: as many steps, each as many bytes, as the other GEMV tiles'
+                rows = (t - E_GU) * RD + tl.arange(0, RD)
+                kd = tl.arange(0, BKD)
+                w0 = tl.load(wdown_ptr + rows[:, None] * INTER + kd[None, :]).to(tl.float32)
                 _wait(cnt_ptr + _GU, N_GU)
-                acc = tl.zeros([R], dtype=tl.float32)
-                for k0 in range(0, INTER, BK):
+                acc = tl.zeros([RD], dtype=tl.float32)
+                for k0 in range(0, INTER, BKD):
                     if k0 == 0:
                         wt = w0
                     else:
-                        wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kk)[None, :]).to(tl.float32)
-                    acc += tl.sum(wt * tl.load(act_ptr + k0 + kk, cache_modifier=".cg")[None, :], axis=1)
+                        wt = tl.load(wdown_ptr + rows[:, None] * INTER + (k0 + kd)[None, :]).to(tl.float32)
+                    acc += tl.sum(wt * tl.load(act_ptr + k0 + kd, cache_modifier=".cg")[None, :], axis=1)
                 if FP8:
                     acc = acc * tl.load(sdown_ptr + rows)
                 y = acc + tl.load(mid_ptr + rows, cache_modifier=".cg")
@@ -340,12 +345,14 @@ def check_shapes(h, layer, k_cache, num_heads, config=DECODE_LAYER_CONFIG) -> st
     if num_heads % nkv or nkv + N_PHASE_COUNTERS > N_COUNTERS:
         return (f"{num_heads} query heads over {nkv} KV heads: a whole group each, "
                 f"at most {N_COUNTERS - N_PHASE_COUNTERS} groups")
-    if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN)) or R < 2 or hd < 16 or BN < 16:
-        return ("head_dim, the group size, R, BK, S and BLOCK_N must be powers of two "
-                "(R >= 2; head_dim and BLOCK_N >= 16: tl.dot)")
-    if hd % R or H % R or H % BK or inter % BK or inter % (R // 2) or BK % hd or num_heads * hd % BK:
+    DOWN = config["DOWN"]
+    if not all(p2(n) for n in (hd, num_heads // nkv, R, BK, S, BN, DOWN)) or R < 2 or hd < 16 or BN < 16 \
+            or DOWN > R:
+        return ("head_dim, the group size, R, BK, DOWN, S and BLOCK_N must be powers of two "
+                "(R >= 2, DOWN <= R; head_dim and BLOCK_N >= 16: tl.dot)")
+    if hd % R or H % R or H % BK or inter % (BK * DOWN) or inter % (R // 2) or BK % hd or num_heads * hd % BK:
         return (f"hidden {H}, intermediate {inter} and head_dim {hd} must be multiples of R={R}; hidden, "
-                f"intermediate and the query width {num_heads * hd} of BK={BK}; BK of head_dim")
+                f"intermediate (of BK*DOWN={BK * DOWN}) and the query width {num_heads * hd} of BK={BK}; BK of head_dim")
     return None
 
 
@@ -384,7 +391,8 @@ def decode_layer_triton(h, layer, eps, positions, cos_sin, k_cache, v_cache, slo
         eps, scale * LOG2E, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         H=H, INTER=inter, NQ=num_heads, NKV=nkv, HD=hd, PAGE=page, R=config["R"], BK=config["BK"],
-        S=S, BLOCK_N=config["BLOCK_N"], GRAB=config["GRAB"], HP=triton.next_power_of_2(H), GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
+        S=S, BLOCK_N=config["BLOCK_N"], GRAB=config["GRAB"], HP=triton.next_power_of_2(H),
+        DOWN=config["DOWN"], GP=max(16, num_heads // nkv) if config["DOT"] else num_heads // nkv,
         IEEE=h.dtype == torch.float32, DOT=bool(config["DOT"]), FP8=fp8,
         num_warps=config["num_warps"])
     return out
