@@ -46,9 +46,8 @@ from .online_softmax import LOG2E, online_softmax_update
 # tiles taken from the queue at a time (one atomic for GRAB tiles; 4 costs 240 registers on sm90),
 # PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
 # loads in flight; the queue needs none of them resident to make progress). Registers a thread,
-# compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 168 / 212 /
-# 168 under Triton 3.6, 167 / 167 / 167 under 3.9, no stack -- two programs of 4 warps fit an SM;
-# DOT 1 at 8 warps: 207 (3.6) / 125 (3.9) at sm90; BLOCK_N 32 or more: 255 and spills (docs/kernels.md,
+# compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 231 / 226 /
+# 230 under Triton 3.6, 217 / 215 / 166 under 3.9 -- two programs of 4 warps fit an SM (docs/kernels.md,
 # session 26). Not tuned on a GPU yet: `bench layer --sweep`.
 DECODE_LAYER_CONFIG = {"R": 16, "BK": 256, "DOWN": 4, "S": 8, "BLOCK_N": 16, "DOT": 0, "GRAB": 1,
                        "PROGRAMS": 0, "PER_SM": 2, "num_warps": 4}
