@@ -41,9 +41,10 @@ from .launch import sm_count
 from .online_softmax import LOG2E, online_softmax_update
 
 # Launch settings: R rows a GEMV tile (gate/up: R/2 gate rows with their R/2 up rows), BK columns a
-# step of its loop (down: R/DOWN rows, BK*DOWN columns), S attention splits of the context per KV head, BLOCK_N keys a step of a split,
-# DOT (1: the attention's products on tensor cores, the group padded to 16 rows; 0: CUDA cores), GRAB
-# tiles taken from the queue at a time (one atomic for GRAB tiles; 4 costs 240 registers on sm90),
+# step of its loop (down: R/DOWN rows, BK*DOWN columns), S attention splits of the context per KV
+# head, BLOCK_N keys a step of a split, DOT (1: the attention's products on tensor cores, the group
+# padded to 16 rows; 0: CUDA cores), GRAB tiles taken from the queue at a time (one atomic for GRAB
+# tiles; 4 costs 240 registers on sm90),
 # PROGRAMS (0: PER_SM a streaming multiprocessor -- more than one, so that an SM has enough weight
 # loads in flight; the queue needs none of them resident to make progress). Registers a thread,
 # compiled without a GPU (scripts/compile_check.py; sm75 / sm80 / sm90): these defaults 231 / 226 /
