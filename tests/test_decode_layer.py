@@ -125,6 +125,19 @@ def test_counters_reset_and_a_second_launch_gives_the_same_layer():
     assert torch.equal(a, c) and torch.equal(kc_a, kc_c) and int(sc["cnt"].abs().sum()) == 0
 
 
+def test_the_option_refuses_what_it_cannot_mean():
+    """select_kernels(decode_layer=...): "off" is not a switch (an error, not the kernel on); a
+    setting it does not have is named; True and a mapping turn it on, for the Triton kernels."""
+    from pagedlab.kernels import select_kernels
+    with pytest.raises(TypeError, match="decode_layer must be"):
+        select_kernels("triton", decode_layer="off")
+    with pytest.raises(ValueError, match="'BLOCKN'"):
+        select_kernels("triton", decode_layer={"BLOCKN": 16})
+    assert not hasattr(select_kernels("triton", decode_layer=False), "decode_layer")
+    assert select_kernels("triton", decode_layer={"S": 4}).options["decode_layer"]["S"] == 4
+    assert hasattr(select_kernels("triton", decode_layer=True), "decode_layer")
+
+
 def test_what_does_not_fit_is_named():
     dtype = DTYPES[0]
     layer = make_layer(dtype, seed=1)

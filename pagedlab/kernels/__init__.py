@@ -10,6 +10,7 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
 
 import functools
 import importlib
+from collections.abc import Mapping
 from types import SimpleNamespace
 
 # The kernel functions the model calls, by file. RMSNorm, RoPE, the K/V store and SiLU-and-mul
@@ -88,6 +89,9 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
             norm_qkv_rope_store_attend_triton, config=options["gemv_config"][key], pdl=pdl,
             fp8_config=options["gemv_config"][key + "_fp8"], decode_attention=fns["decode_attention"])
         extra["attend_fuses"] = (fns["norm_qkv_rope_store"], fns["decode_attention"])
+    if not (decode_layer is None or isinstance(decode_layer, (bool, Mapping))):
+        raise TypeError(f"decode_layer must be True, False, None or a mapping of DECODE_LAYER_CONFIG changes, "
+                        f"got {decode_layer!r}")
     if backend == "triton" and decode_layer:
         # one decoder layer in one launch at a batch-1 decode step (decode_layer.py): used by the
         # model only while `layer_fuses` still names the five functions it replaces
