@@ -96,7 +96,7 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
         # one decoder layer in one launch at a batch-1 decode step (decode_layer.py): used by the
         # model only while `layer_fuses` still names the five functions it replaces
         from .decode_layer import DECODE_LAYER_CONFIG, decode_layer_triton
-        layer_config = merge_config(DECODE_LAYER_CONFIG, decode_layer if isinstance(decode_layer, dict) else None,
+        layer_config = merge_config(DECODE_LAYER_CONFIG, decode_layer if isinstance(decode_layer, Mapping) else None,
                                     "decode_layer")
         options["decode_layer"] = layer_config
         extra["decode_layer"] = functools.partial(decode_layer_triton, config=layer_config)
