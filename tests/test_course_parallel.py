@@ -309,3 +309,27 @@ def test_parallel_bench_verdict_is_read_from_its_rows():
     assert ("less than that saving" in verdict(rows)) == (tp2["nccl_us"] < saved)
     tp2["kernel_total_us"] += saved                      # a TP=2 step whose non-NCCL kernels saved nothing
     assert "(more than that saving)" in verdict(rows)
+
+
+def test_a_gloo_start_that_fails_is_tried_again_after_a_growing_pause(monkeypatch):
+    """Gloo's loopback set-up now and then fails before any rank runs (CI once saw three immediate
+    tries fail within 0.1 s): _run tries again after 0.25 s, 0.5 s, ...; a job's own error is not
+    retried; five failed starts give the set-up error back."""
+    starts, pauses = [], []
+    results = iter([[{"error": "gloo", "setup": True}] * 2] * 2 + [[{"result": 1}, {"result": 2}]])
+
+    def fake(job, size, timeout_s):
+        starts.append(1)
+        return next(results)
+    monkeypatch.setattr(pc, "_run_processes", fake)
+    monkeypatch.setattr(pc.time, "sleep", pauses.append)
+    assert pc._run(None, 2, 5, mode="processes") == [{"result": 1}, {"result": 2}]
+    assert len(starts) == 3 and pauses == [0.25, 0.5]
+    starts.clear()
+    pauses.clear()
+    monkeypatch.setattr(pc, "_run_processes", lambda job, size, t: starts.append(1) or [{"error": "x"}] * 2)
+    assert pc._run(None, 2, 5, mode="processes") == [{"error": "x"}] * 2 and len(starts) == 1 and not pauses
+    monkeypatch.setattr(pc, "_run_processes", lambda job, size, t: starts.append(1) or [{"error": "g", "setup": True}] * 2)
+    starts.clear()
+    assert pc._run(None, 2, 5, mode="processes")[0]["setup"] and len(starts) == 5
+    assert pauses == [0.25, 0.5, 1.0, 2.0]

@@ -252,17 +252,21 @@ def _run_threads(job, size, timeout_s):
             for r, o in enumerate(outs)]
 
 
-def _run(job, size=SIZE, timeout_s=TIMEOUT_S, mode=None, attempts: int = 3):
+def _run(job, size=SIZE, timeout_s=TIMEOUT_S, mode=None, attempts: int = 5):
     """[what rank r's job returned or raised, as a dict] for r in 0..size-1. Gloo's connection set-up
     on the loopback now and then fails ("Connection closed by peer" in connectFullMesh, about one
-    start in a few hundred here): that is before any rank has run the job, so it is tried again."""
+    start in a few hundred here): that is before any rank has run the job, so it is tried again --
+    after a pause that doubles (0.25 s, 0.5 s, ...): CI once saw three immediate tries fail within
+    0.1 s of each other, whatever held the loopback had not let go yet."""
     mode = mode or ranks_mode()[0]
     if mode != "processes":
         return _run_threads(job, size, timeout_s)
-    for _ in range(attempts):
+    for i in range(attempts):
         outs = _run_processes(job, size, timeout_s)
         if not any(o.get("setup") for o in outs):
             break
+        if i + 1 < attempts:
+            time.sleep(0.25 * 2 ** i)
     return outs
 
 
