@@ -338,7 +338,7 @@ def test_a_bad_threshold_flag_is_one_line_naming_it(flag, value, said):
 
 
 def test_a_stream_on_a_silent_core_gets_keep_alive_comments_then_finishes_exactly(server, reference):
-    """keepalive_s 1 s: while the core is stopped (3.5 s) each open stream gets SSE comments
+    """keepalive_s 1 s: while the core is stopped (6 s) each open stream gets SSE comments
     `: keep-alive` (at least two), none while it flows, and after SIGCONT it finishes with exactly an
     unpaused run's tokens; the comment is not a data event (an SSE client skips it)."""
     s, pid = server
@@ -354,7 +354,10 @@ def test_a_stream_on_a_silent_core_gets_keep_alive_comments_then_finishes_exactl
                     if line.startswith("data:") and "stop_i" not in marks:
                         os.kill(pid, signal.SIGSTOP)
                         marks["stop_i"] = len(lines)
-                        await asyncio.sleep(3.5)              # the stream's lines wait in the socket
+                        # the stream's lines wait in the socket. 6 s: the watcher looks once a
+                        # second, so comments come 1-2 s apart, after the tokens already on their
+                        # way (3.5 s gave one comment once on CI's busy 2 cores)
+                        await asyncio.sleep(6.0)
                         os.kill(pid, signal.SIGCONT)
     try:
         asyncio.run(main())
