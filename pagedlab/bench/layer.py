@@ -231,9 +231,9 @@ def engine_rows(args, context: int, kind: str = "bf16") -> list[dict]:
         llm = LLM(checkpoint=ckpt, device="cuda", dtype="bfloat16", max_num_seqs=1, max_model_len=2048,
                   show_progress=False, kernel_options=opts or None,
                   quantization="fp8" if kind == "fp8" else None)
-        graph_us, kernels_us = guarded(f"the engine's graph, {name}", lambda: graph_step_us(llm, context),
+        graph_us, kernels_us = guarded(f"the engine's graph, {name}", lambda llm=llm: graph_step_us(llm, context),
                                        args.watchdog_s * 3)
-        run = guarded(f"one stream, {name}", lambda: one_stream(llm, prompt, keep_tokens=True), args.watchdog_s * 5)
+        run = guarded(f"one stream, {name}", lambda llm=llm: one_stream(llm, prompt, keep_tokens=True), args.watchdog_s * 5)
         tokens = run["token_ids"][0]
         first = tokens if first is None else first
         agree = sum(a == b for a, b in zip(tokens, first)) / len(first)
