@@ -64,14 +64,16 @@ def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
     monkeypatch.setattr(gemv, "_qkv_launch", spy)
     sp = SamplingParams(max_new_tokens=3, ignore_eos=True)
     kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
-    prompt = [[5, 6, 7, 8, 9, 10, 3]]
-    ref = tiny_llm(attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids
-    tiles = dict(BLOCK_R=16, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=1, ATTN=64, ATTN_BLOCK_N=8)
+    prompt = [[5, 6, 7, 8, 9, 10, 3, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 3]]   # 19-21 keys:
+    ref = tiny_llm(attention_backend="torch", **kw).generate(prompt, sp)[0].token_ids   # two key tiles
+    tiles = dict(BLOCK_R=16, K_SPLIT=64, BLOCK_K=32, num_warps=4, num_stages=1, ATTN=64, ATTN_BLOCK_N=16)
     got = tiny_llm(attention_backend="triton", kernel_options=dict(gemv_config={"qkv": tiles}), **kw)
     assert got.generate(prompt, sp)[0].token_ids == ref
     assert fused.count(True) >= 2 * got.model.config.num_layers      # two decode steps, every layer
     plain = tiny_llm(attention_backend="triton", **kw)                # ATTN off (the default): the
     assert not hasattr(plain.model.kernels, "norm_qkv_rope_store_attend")    # model's two launches
+    # a step of fewer than 16 keys compiles with Triton 3.9 but not 3.6 (tl.dot's K): rounded up
+    assert [gemv.attn_block_n({"ATTN_BLOCK_N": n}) for n in (1, 8, 16, 17, 256)] == [16, 16, 16, 32, 256]
 
 
 def test_one_stream_with_each_layer_in_one_launch(monkeypatch):

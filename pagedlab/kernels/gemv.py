@@ -83,7 +83,8 @@ _FUSED_ROWS = [False]
 # into L2 -- the one the model passes as `prefetch=` -- at most PREFETCH_MB of it, 0 = all;
 # see _prefetch_l2). qkv only, one decode token: ATTN (the decode attention runs in the QKV
 # launch's tail -- norm_qkv_rope_store_attend_triton -- when the step's context bound is at most
-# ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention).
+# ATTN tokens; 0 = off, two launches) and ATTN_BLOCK_N (keys per step of that attention; a power
+# of two >= 16, attn_block_n).
 # ATTN is off: measured exact but SLOWER on the H200 (2026-12-02, docs/kernels.md "One stream,
 # session 13": bf16 graph 983.0 us against 890.0, FP8 688.6 against 680.0 -- the tail runs one
 # program per KV head after the GEMV has drained).
@@ -678,6 +679,13 @@ def norm_qkv_rope_store_triton(x, norm_w, eps, w, positions, cos_sin, k_cache, v
                        num_heads, config, pdl, prefetch)
 
 
+def attn_block_n(config) -> int:
+    """Keys a step of the QKV launch's attention tail: ATTN_BLOCK_N as a power of two, at least
+    16 -- tl.dot's smallest K on Triton 3.6 (p [GP, BLOCK_N] @ v [BLOCK_N, D]); 3.9 takes 8, so a
+    smaller setting compiled here and failed only on the GPU's Triton."""
+    return max(16, triton.next_power_of_2(int(config.get("ATTN_BLOCK_N", 128))))
+
+
 def _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_mapping, num_heads,
                 config, pdl, prefetch, attn=None):
     """The fused QKV launch: q [T, Hq, D]; with attn = (block_table, seq_lens, scale) (one
@@ -703,7 +711,7 @@ def _qkv_launch(x, norm_w, eps, w, positions, cos_sin, k_cache, v_cache, slot_ma
         kw.update(o_ptr=out, bt_ptr=block_table, sl_ptr=seq_lens, gcnt_ptr=group_counts,
                   sm_scale=sm * LOG2E, max_blocks=block_table.shape[1], ATTN=1,
                   BS=k_cache.shape[1], GP=max(16, triton.next_power_of_2(g)),
-                  BLOCK_N=config.get("ATTN_BLOCK_N", 128), IEEE=int(x.dtype == torch.float32),
+                  BLOCK_N=attn_block_n(config), IEEE=int(x.dtype == torch.float32),
                   KV64=int(k_cache.numel() >= INT32_LIMIT))
     _qkv_rope_store_kernel[grid](x, norm_w, w, scale if scale is not None else w, q, k_cache, v_cache,
                                  positions, cos_sin, slot_mapping, ws, cnt, t, k, k_split, eps,
