@@ -32,7 +32,6 @@ import torch
 from .attention import AttentionMetadata, attend
 from .config import EngineConfig, ModelConfig, max_positions
 from .kernels import scratch, select_kernels
-from .kernels.decode_layer import check_shapes
 from .kernels.rope import rope_cos_sin
 from .parallel.shard import check_split, shard, split_rule, vocab_parallel_embedding
 from .quantization import FP8Weight, check_quantization, quantize_weight
@@ -140,13 +139,8 @@ class LlamaModel:
         else:
             h = self.embed[input_ids] if self.tp is None else self._embed_parallel(input_ids)
         qkv_attend = self._qkv_attend(meta, t)
-        one_launch = self._one_launch_layer(meta, h, kv_cache)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.k[i], kv_cache.v[i]
-            if one_launch is not None:      # a batch-1 decode step: the layer in one launch
-                h = one_launch(h, layer, eps, positions, self.cos_sin, k_cache, v_cache, meta.slot_mapping,
-                               meta.decode_block_table, meta.decode_seq_lens, self.scale, self.num_heads)
-                continue
             # prefetch=: the matrix the next kernel streams (the Triton launchers may pull it into
             # L2 with extra programs at one token, kernels/gemv.py; the references ignore it)
             nxt = self.layers[i + 1]["qkv"] if i + 1 < len(self.layers) else None
@@ -183,23 +177,6 @@ class LlamaModel:
         if fn is None or getattr(ops, "attend_fuses", None) != (ops.norm_qkv_rope_store, ops.decode_attention):
             return None
         if meta.num_prefill_tokens != 0 or meta.num_decode_tokens != t:
-            return None
-        return fn
-
-    def _one_launch_layer(self, meta: AttentionMetadata, h, kv_cache):
-        """The kernels' one-launch decoder layer (select_kernels(decode_layer=...), off by default)
-        for a step of one decode token on one device, while it still replaces the model's own five
-        functions (a learner's plugged piece turns it off); else None."""
-        ops = self.kernels
-        fn = getattr(ops, "decode_layer", None)
-        if fn is None or self.tp is not None:
-            return None
-        if getattr(ops, "layer_fuses", None) != (ops.norm_qkv_rope_store, ops.decode_attention,
-                                                 ops.linear_residual, ops.norm_swiglu):
-            return None
-        if meta.num_prefill_tokens != 0 or meta.num_decode_tokens != 1 or h.shape[0] != 1:
-            return None
-        if check_shapes(h, self.layers[0], kv_cache.k[0], self.num_heads, ops.options["decode_layer"]):
             return None
         return fn
 

@@ -74,35 +74,3 @@ def test_one_stream_with_attention_in_qkv_launch(monkeypatch):
     assert not hasattr(plain.model.kernels, "norm_qkv_rope_store_attend")    # model's two launches
     # a step of fewer than 16 keys compiles with Triton 3.9 but not 3.6 (tl.dot's K): rounded up
     assert [gemv.attn_block_n({"ATTN_BLOCK_N": n}) for n in (1, 8, 16, 17, 256)] == [16, 16, 16, 32, 256]
-
-
-def test_one_stream_with_each_layer_in_one_launch(monkeypatch):
-    """select_kernels(decode_layer=...) (kernels/decode_layer.py, off by default): at a batch-1
-    decode step every layer is one launch -- the torch backend's tokens, with weights in the
-    model's dtype and in FP8, and every decode step's layers took it; prefill and the group size it
-    cannot take (6 query heads over 2) keep the five launches and the same tokens."""
-    import dataclasses
-
-    from pagedlab import tiny_config
-    from pagedlab.kernels import decode_layer as dl
-    calls = []
-    real = dl.decode_layer_triton
-
-    def spy(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-    monkeypatch.setattr(dl, "decode_layer_triton", spy)
-    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    kw = dict(max_num_seqs=1, num_blocks=16, block_size=4, device=DEV, dtype="float32", cuda_graphs=False)
-    small = dict(R=8, BK=32, DOWN=1, S=4, BLOCK_N=16, PROGRAMS=2, num_warps=4)
-    prompt = [[5, 6, 7, 8, 9, 10, 3]]
-    four = dataclasses.replace(tiny_config(), num_heads=4)
-    for cfg, fused, q in ((four, True, None), (four, True, "fp8"), (tiny_config(), False, None)):
-        ref = tiny_llm(config=cfg, attention_backend="torch", quantization=q, **kw).generate(prompt, sp)[0].token_ids
-        calls.clear()
-        got = tiny_llm(config=cfg, attention_backend="triton", kernel_options=dict(decode_layer=small),
-                       quantization=q, **kw)
-        assert got.generate(prompt, sp)[0].token_ids == ref
-        assert len(calls) == (3 * cfg.num_layers if fused else 0)      # three decode steps, every layer
-    plain = tiny_llm(attention_backend="triton", **kw)                  # off: the default
-    assert not hasattr(plain.model.kernels, "decode_layer")

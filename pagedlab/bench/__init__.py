@@ -5,8 +5,6 @@
     engine    pagedlab against transformers: one stream and an offline workload
     gemv      the decode-time linear layers, fused Triton against cuBLAS + small kernels
     step      one batch-1 decode step: PDL modes, host overlap on and off
-    layer     the 16 decoder layers of a batch-1 step: five launches a layer against one
-              persistent launch (kernels/decode_layer.py), and its settings (--sweep)
     prefix    prefix caching off and on: a shared system prompt, multi-turn chats, no sharing
               (--small runs on CPU)
     parallel  one GPU against two: tensor parallel (split) and data parallel (replicas)
@@ -19,5 +17,5 @@
 What they share (timing, copy bandwidth, metadata, output files) is in common.py.
 """
 
-BENCHMARKS = ("kernels", "engine", "gemv", "step", "layer", "prefix", "parallel", "fp8", "spec")   # on a CUDA GPU
+BENCHMARKS = ("kernels", "engine", "gemv", "step", "prefix", "parallel", "fp8", "spec")   # on a CUDA GPU
 HTTP_BENCHMARKS = ("serve",)                             # a client of a server: no GPU here

@@ -10,7 +10,6 @@ Shapes used everywhere (T = packed tokens, B = sequences, Hq/Hkv = query/KV head
 
 import functools
 import importlib
-from collections.abc import Mapping
 from types import SimpleNamespace
 
 # The kernel functions the model calls, by file. RMSNorm, RoPE, the K/V store and SiLU-and-mul
@@ -25,7 +24,7 @@ KERNEL_FAMILIES = {
 
 def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
                    decode_config=None, prefill_config=None, gemv_config=None,
-                   pdl: str | None = None, decode_layer=None) -> SimpleNamespace:
+                   pdl: str | None = None) -> SimpleNamespace:
     """The kernel functions the model calls, from one backend: "torch" (the references, any
     device) or "triton" (the fused/paged kernels; CUDA, or CPU under TRITON_INTERPRET=1).
 
@@ -37,9 +36,6 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
                       e.g. {"long": {"num_stages": 2}}
       gemv_config     changes to gemv.GEMV_CONFIG, e.g. {"residual": {"num_warps": 8}}
       pdl             "off" | "late" | None (the device's default; pdl.py)
-      decode_layer    None / False: off; True or changes to decode_layer.DECODE_LAYER_CONFIG
-                      (e.g. {"S": 16}): a batch-1 decode step runs each layer in ONE launch
-                      (decode_layer.py; experimental, off by default)
     Each config is merged into the module's defaults (launch.merge_config: unknown names are an
     error) and the defaults themselves never change. The torch references take no launch
     settings: they are checked, and not used. The result's `options` holds the merged settings."""
@@ -89,17 +85,4 @@ def select_kernels(backend: str = "torch", decode_variant: str = "auto", *,
             norm_qkv_rope_store_attend_triton, config=options["gemv_config"][key], pdl=pdl,
             fp8_config=options["gemv_config"][key + "_fp8"], decode_attention=fns["decode_attention"])
         extra["attend_fuses"] = (fns["norm_qkv_rope_store"], fns["decode_attention"])
-    if not (decode_layer is None or isinstance(decode_layer, (bool, Mapping))):
-        raise TypeError(f"decode_layer must be True, False, None or a mapping of DECODE_LAYER_CONFIG changes, "
-                        f"got {decode_layer!r}")
-    if backend == "triton" and decode_layer:
-        # one decoder layer in one launch at a batch-1 decode step (decode_layer.py): used by the
-        # model only while `layer_fuses` still names the five functions it replaces
-        from .decode_layer import DECODE_LAYER_CONFIG, decode_layer_triton
-        layer_config = merge_config(DECODE_LAYER_CONFIG, decode_layer if isinstance(decode_layer, Mapping) else None,
-                                    "decode_layer")
-        options["decode_layer"] = layer_config
-        extra["decode_layer"] = functools.partial(decode_layer_triton, config=layer_config)
-        extra["layer_fuses"] = tuple(fns[f] for f in ("norm_qkv_rope_store", "decode_attention", "linear_residual",
-                                                      "norm_swiglu"))
     return SimpleNamespace(backend=backend, options=options, **fns, **extra)
