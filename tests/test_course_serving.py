@@ -265,3 +265,27 @@ def test_clock_table_is_read_from_the_committed_bursts():
             assert starts == [None] * len(mine)
         else:
             assert starts == [1e3 * b["busy"]["start_s"] for b in d["results"]] and all(0 < s < 1e3 for s in starts)
+
+
+def test_ttft_split_table_is_read_from_the_committed_bursts():
+    """Notebook 11's way in / engine / way out of a burst's TTFT: one row per burst of each file,
+    in the files' order, every number the file's own (the parts' p99s, the offline passes' median
+    TTFT p99)."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    rows = course_serving.ttft_split_table()
+    names = [name for name, _ in course_serving.SPLIT_RUNS]
+    files = {n: json.loads((docs / n).read_text()) for n in names}
+    assert [r["file"] for r in rows] == [n for n in names for _ in files[n]["results"]]
+    for name, d in files.items():
+        mine = [r for r in rows if r["file"] == name]
+        assert [r["burst"] for r in mine] == list(range(1, len(d["results"]) + 1))
+        for r, b in zip(mine, d["results"]):
+            assert r["ttft_p99_ms"] == b["ttft_ms"]["p99"]
+            assert r["offline_ttft_p99_ms"] == d["offline"]["ttft_p99_ms_median"]
+            assert (r["way_in_p99_ms"], r["engine_p99_ms"], r["way_out_p99_ms"]) == tuple(
+                b["ttft_split_ms"][k]["p99"] for k in ("way_in", "engine", "way_out"))
+            # the parts are of the same requests: none is above the whole's slowest
+            assert max(r["way_in_p99_ms"], r["engine_p99_ms"], r["way_out_p99_ms"]) <= max(b["ttft_ms_each"])

@@ -465,6 +465,33 @@ def clock_table() -> list[dict]:
     return rows
 
 
+# the same burst (one front end, four client processes) before and after a token whose text is
+# held back got its own stream chunk (docs/serving.md, sessions 25 and 27; c4c867f)
+SPLIT_RUNS = (("serve_s25_h_api1_split.json", "held-back text made no chunk"),
+              ("serve_s27_a_api1.json", "every token makes a chunk"),
+              ("serve_s27_b_api1.json", "every token makes a chunk"))
+
+
+def ttft_split_table() -> list[dict]:
+    """The committed H200 bursts of docs/serving.md sessions 25 and 27 with each request's TTFT cut
+    in three (way in: sent -> the front end has it; engine: -> its first token is back in the front
+    end; way out: -> the client read it): one row per burst -- TTFT p99 and each part's p99, against
+    the median TTFT p99 of the same command's offline passes."""
+    from .data import load_json
+    rows = []
+    for name, chunks in SPLIT_RUNS:
+        d = load_json(name)
+        if d is None:
+            continue
+        for i, r in enumerate(d["results"], 1):
+            split = r["ttft_split_ms"]
+            rows.append(dict(file=name, chunks=chunks, burst=i, ttft_p99_ms=r["ttft_ms"]["p99"],
+                             offline_ttft_p99_ms=d["offline"]["ttft_p99_ms_median"],
+                             way_in_p99_ms=split["way_in"]["p99"], engine_p99_ms=split["engine"]["p99"],
+                             way_out_p99_ms=split["way_out"]["p99"]))
+    return rows
+
+
 def draw_frontends(n: int = 3):
     """`python -m pagedlab serve --api-servers n`: the parent, n front ends on one port, one engine
     core, and what crosses each front end's pipes: adds and aborts in, one step message out (only
