@@ -145,6 +145,29 @@ def open_streams(url: str, n: int):
     return threads, events
 
 
+def finished(lines) -> bool:
+    """Has a stream read its last token (a finish_reason, or [DONE])?"""
+    return any(line == "data: [DONE]" or '"finish_reason":"' in line for line in lines)
+
+
+def streams_open_at_a_stopped_core(url: str, n: int, core: int, tries: int = 5):
+    """open_streams, then SIGSTOP the core with every stream still open. The streams' first events
+    come one by one; on a busy machine one stream could read all its 200 tokens before the last had
+    its first (CI, 2026-12-04: stream 0 ended "length" before the stop and the test failed on a
+    premise, not on the server). So: stop, let what was already on its way arrive, and if a stream
+    finished, let the core go, end those streams and open new ones."""
+    for _ in range(tries):
+        threads, events = open_streams(url, n)
+        os.kill(core, signal.SIGSTOP)
+        time.sleep(0.5)                     # outputs the front end already had reach the client
+        if not any(finished(ev) for ev in events.values()):
+            return threads, events
+        os.kill(core, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+    raise AssertionError(f"in {tries} tries a stream always finished before the core was stopped")
+
+
 def assert_ended_with_an_error_event(events):
     for i, ev in events.items():
         assert ev[-1] == "data: [DONE]" and "the server is shutting down" in ev[-2], (i, ev[-2:])
@@ -158,8 +181,7 @@ def test_ctrl_c_ends_open_streams_with_an_error_event(procs, second_ctrl_c):
     per cancelled stream), nor triton's ~30 lines of "nanobind: leaked ..." per process (the heap
     frozen by freeze_heap was never handed back at exit). Exit status 130, nothing left running."""
     p, url, core = serving(procs)
-    threads, events = open_streams(url, 2)
-    os.kill(core, signal.SIGSTOP)
+    threads, events = streams_open_at_a_stopped_core(url, 2, core)
     t0 = time.monotonic()
     os.kill(p.pid, signal.SIGINT)
     if second_ctrl_c:

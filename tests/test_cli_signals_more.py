@@ -18,7 +18,8 @@ import pytest
 from pagedlab import LLM
 from pagedlab.validation import ValidationError
 from test_cli_signals import (MODEL, ROOT, assert_ended_with_an_error_event, free_port, one_line_error,  # noqa: F401
-                              open_streams, procs, run_main, serving, session_left)
+                              procs, run_main, serving, session_left,
+                              streams_open_at_a_stopped_core)
 
 
 def sigint_ignored_in(pid: int) -> bool:
@@ -93,8 +94,7 @@ def test_ctrl_c_ends_the_front_ends_open_streams_with_an_error_event(procs):
     plain server, which cut open streams mid-body once its 5 s grace ran out. Now run.Server's
     (graceful.py): each stream ends with the shutdown's error event and [DONE]."""
     p, url, core = serving(procs, "--api-servers", "2")
-    threads, events = open_streams(url, 2)
-    os.kill(core, signal.SIGSTOP)           # the streams outlast the grace
+    threads, events = streams_open_at_a_stopped_core(url, 2, core)    # they outlast the grace
     t0 = time.monotonic()
     os.kill(p.pid, signal.SIGINT)
     for t in threads:
